@@ -1,0 +1,168 @@
+"""CIFAR-10 for the trainers: find or download it, load and validate it, augment it, evaluate exactly.
+
+Nothing here touches torch.distributed: the entry points decide which process downloads and where
+the barrier goes; this module only does the work.
+
+The data is read from `<data_dir>/cifar-10-batches-py/` (the official python layout: pickled
+dicts with `data` uint8 [N, 3072], rows CHW-planar, and `labels`) with pickle directly, so any
+copy in that layout loads, including the offline JPEG copy whose bytes differ from the official
+release (torchvision.datasets.CIFAR10 would refuse it on its md5 check).
+"""
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+from torchvision.transforms import v2
+
+from .errors import UserError
+
+# The official archive. CIFAR10_URL in the environment points at a mirror of the same file
+# (a course server, say); the md5 check still applies.
+OFFICIAL_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+OFFICIAL_MD5 = "c58f30108f718f92721af3b95e74349a"
+FOLDER = "cifar-10-batches-py"
+TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+VAL_FILES = ["test_batch"]
+TRAIN_SIZE, VAL_SIZE = 50_000, 10_000
+NUM_CLASSES = 10
+
+# Standard CIFAR-10 channel statistics of images scaled to [0, 1].
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+
+
+class DataError(UserError):
+    pass
+
+
+def dataset_folder(data_dir) -> Path:
+    return Path(data_dir) / FOLDER
+
+
+def dataset_present(data_dir) -> bool:
+    folder = dataset_folder(data_dir)
+    return all((folder / name).is_file() for name in TRAIN_FILES + VAL_FILES)
+
+
+def how_to_provide(data_dir) -> str:
+    return (
+        f"CIFAR-10 is not in {dataset_folder(data_dir)}. Provide it in the official python layout "
+        f"(cifar-10-batches-py/data_batch_1..5, test_batch): without internet, expand the offline copy with "
+        f"`python shared/data/prepare_cifar10.py {data_dir}`, or extract cifar-10-python.tar.gz there; "
+        f"with internet, the first run downloads it (set CIFAR10_URL to use a mirror)."
+    )
+
+
+def download_cifar10(data_dir) -> str | None:
+    """Download and extract the official archive into data_dir. Returns None or the reason it failed.
+
+    Call it on one process per node only (local rank 0); the others wait at a barrier.
+    """
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    url = os.environ.get("CIFAR10_URL", OFFICIAL_URL)
+    try:
+        download_and_extract_archive(url, download_root=str(data_dir), md5=OFFICIAL_MD5)
+    except Exception as exc:  # no network, refused, wrong md5, disk full: all end the same way
+        return f"download from {url} failed: {exc}"
+    return None if dataset_present(data_dir) else f"the archive from {url} did not contain {FOLDER}/"
+
+
+def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read and validate one pickled batch file; every problem names the file."""
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="latin1")
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing. " + how_to_provide(path.parent.parent)) from None
+    except Exception as exc:
+        raise DataError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or corrupt: "
+                        f"delete {path.parent} and provide the data again") from None
+    if not isinstance(batch, dict) or "data" not in batch or "labels" not in batch:
+        raise DataError(f"{path} is not a CIFAR-10 batch (expected a dict with 'data' and 'labels')")
+    data, labels = batch["data"], batch["labels"]
+    shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", None)
+    if dtype is None or str(dtype) != "uint8" or len(shape) != 2 or shape[1] != 3 * 32 * 32:
+        raise DataError(f"{path}: 'data' must be uint8 [N, 3072], found {dtype} {shape}")
+    labels = torch.as_tensor(list(labels), dtype=torch.int64)
+    if labels.numel() != shape[0]:
+        raise DataError(f"{path}: {shape[0]} images but {labels.numel()} labels")
+    if labels.numel() and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise DataError(f"{path}: labels must be 0-9, found {labels.min().item()}..{labels.max().item()}")
+    images = torch.from_numpy(data.copy()).view(-1, 3, 32, 32)
+    return images, labels
+
+
+def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train or validation split as (uint8 [N, 3, 32, 32], int64 [N]); `subset` keeps the first N."""
+    folder = dataset_folder(data_dir)
+    if not dataset_present(data_dir):
+        raise DataError(how_to_provide(data_dir))
+    files, expected = (TRAIN_FILES, TRAIN_SIZE) if train else (VAL_FILES, VAL_SIZE)
+    parts = [_read_batch(folder / name) for name in files]
+    images = torch.cat([p[0] for p in parts])
+    labels = torch.cat([p[1] for p in parts])
+    split = "train" if train else "validation"
+    if subset is None:
+        if len(labels) != expected:
+            raise DataError(f"{folder}: the {split} split has {len(labels)} images, expected {expected}; "
+                            f"the copy is incomplete (or use --{'train' if train else 'val'}-subset)")
+    else:
+        if not 0 < subset <= len(labels):
+            raise DataError(f"--{'train' if train else 'val'}-subset {subset}: must be between 1 and "
+                            f"{len(labels)} (the {split} images in {folder})")
+        images, labels = images[:subset], labels[:subset]
+    return images, labels
+
+
+class CIFAR10(Dataset):
+    """uint8 images in memory -> normalised float images; training adds the standard augmentation
+    (random crop with 4-pixel zero padding, horizontal flip), one image at a time on the CPU."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool):
+        self.images, self.labels = images, labels
+        steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if augment else []
+        self.transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.transform(self.images[index]), self.labels[index]
+
+
+def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
+    """True for this rank's samples that are real, False for DistributedSampler's padding.
+
+    DistributedSampler pads the index list to a multiple of the world size by repeating its first
+    indices, then gives rank r the positions r, r + W, r + 2W, ... Positions >= len(dataset) are
+    the repeats: counting them would count those images twice in the validation metrics.
+    """
+    positions = sampler.rank + torch.arange(sampler.num_samples) * sampler.num_replicas
+    return positions < len(sampler.dataset)
+
+
+@torch.no_grad()
+def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None) -> torch.Tensor:
+    """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
+
+    Returns float64 [loss_sum, correct, count] on `device`. Sums, not means, so that the entry point
+    can combine ranks exactly: the ratio of reduced sums is the true mean over all images.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    offset = 0
+    for images, labels in loader:
+        n = len(labels)
+        keep = mask[offset:offset + n].to(device)
+        offset += n
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits = model(images)
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        totals[0] += loss[keep].double().sum()
+        totals[1] += (logits.argmax(1) == labels)[keep].sum()
+        totals[2] += keep.sum()
+    return totals

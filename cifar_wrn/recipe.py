@@ -1,0 +1,170 @@
+"""Hyperparameters in one place: the Recipe dataclass, YAML recipe files, CLI overrides.
+
+A recipe is a small commented YAML file in recipes/ (`--recipe baseline` or `--recipe path.yaml`).
+Every key must be a field of Recipe (unknown keys are rejected, so a typo never passes silently);
+keys a file leaves out keep the defaults below. Command-line flags and `--set KEY=VALUE` override
+single keys after the file is read. Both entry points resolve the recipe the same way and write the
+resolved values into their JSON log.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import yaml
+
+from .errors import UserError
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class RecipeError(UserError):
+    pass
+
+
+@dataclass
+class Recipe:
+    # --- length and stopping
+    epochs: int = 40                  # maximum number of training epochs
+    target_accuracy: float = 0.85     # validation accuracy (fraction) that counts as reached
+    patience: int = 2                 # stop after this many consecutive epochs at or above the target
+    # --- batch and learning rate
+    batch_size: int = 32              # images per process per step (per_device_batch_size)
+    base_lr: float = 0.01             # learning rate at reference_batch_size images per step
+    lr_scaling: str = "linear"        # linear: lr = base_lr * global_batch_size / reference_batch_size; none
+    reference_batch_size: int = 32    # the global batch size at which base_lr was tuned
+    lr_schedule: str = "constant"     # constant | warmup_linear (linear warmup, then linear decay to 0)
+    warmup_epochs: float = 0.0        # epochs of linear warmup (warmup_linear only)
+    # --- optimizer and loss
+    momentum: float = 0.0             # SGD momentum (0 = plain SGD)
+    nesterov: bool = False            # Nesterov momentum (needs momentum > 0)
+    weight_decay: float = 0.0         # L2 penalty on conv/linear weights (never on BatchNorm or biases)
+    label_smoothing: float = 0.0      # CrossEntropyLoss label smoothing
+    # --- numerics and data
+    precision: str = "fp32"           # fp32 | bf16 (autocast; weights and optimizer stay fp32)
+    augment: bool = True              # random crop (4-pixel padding) + horizontal flip for training
+    num_workers: int = 4              # DataLoader worker processes per GPU process (CPU runs use 0)
+    eval_batch_size: int = 500        # images per process per validation step
+    seed: int = 0                     # model init, sampler shuffling; augmentation uses seed + rank
+
+
+CHOICES = {"lr_scaling": ("linear", "none"), "lr_schedule": ("constant", "warmup_linear"),
+           "precision": ("fp32", "bf16")}
+FIELDS = {f.name: f for f in fields(Recipe)}
+
+
+def _coerce(key: str, value, source: str):
+    if key not in FIELDS:
+        raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
+    kind = FIELDS[key].type
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          bool: isinstance(value, bool),
+          str: isinstance(value, str)}[kind]
+    if not ok:
+        raise RecipeError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return RECIPE_DIR / f"{name_or_path}.yaml"
+
+
+def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
+    """Read a recipe file, apply overrides (already typed values or strings from --set), validate."""
+    path = recipe_path(name_or_path)
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+        raise RecipeError(f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known)}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of key: value lines")
+    values = {key: _coerce(key, value, str(path)) for key, value in raw.items()}
+    for key, value in (overrides or {}).items():
+        if isinstance(value, str) and FIELDS.get(key) is not None and FIELDS[key].type is not str:
+            value = yaml.safe_load(value)  # "--set momentum=0.9" arrives as a string
+        values[key] = _coerce(key, value, "command line")
+    recipe = Recipe(**values)
+    check_recipe(recipe)
+    return recipe
+
+
+def parse_set(items: list[str]) -> dict:
+    """['key=value', ...] from --set into a dict (values still strings)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def check_recipe(r: Recipe) -> None:
+    problems = []
+    for key in ("epochs", "batch_size", "patience", "reference_batch_size", "eval_batch_size"):
+        if getattr(r, key) < 1:
+            problems.append(f"{key} must be >= 1 (got {getattr(r, key)})")
+    if not r.base_lr > 0 or not math.isfinite(r.base_lr):
+        problems.append(f"base_lr must be a positive number (got {r.base_lr})")
+    if not 0.0 <= r.target_accuracy <= 1.0:
+        problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
+    for key in ("momentum", "weight_decay", "label_smoothing", "warmup_epochs"):
+        if getattr(r, key) < 0:
+            problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
+    if r.nesterov and r.momentum == 0:
+        problems.append("nesterov needs momentum > 0")
+    if r.num_workers < 0:
+        problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
+    for key, allowed in CHOICES.items():
+        if getattr(r, key) not in allowed:
+            problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(r, key)!r})")
+    if problems:
+        raise RecipeError("invalid recipe: " + "; ".join(problems))
+
+
+def as_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
+    """Linear scaling rule: k times more images per step take a k times larger step, so the
+    learning per epoch stays about the same when processes are added (Goyal et al., 2017)."""
+    if recipe.lr_scaling == "linear":
+        return recipe.base_lr * global_batch_size / recipe.reference_batch_size
+    return recipe.base_lr
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.SGD:
+    """SGD; weight decay only on conv/linear weights (decaying BatchNorm scales and biases only
+    fights the normalisation and does not regularise)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": recipe.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
+
+
+def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step learning-rate multiplier: constant, or linear warmup then linear decay to zero at the
+    last step of the epoch budget (so the budget `epochs` is part of the recipe, not a guess)."""
+    total = recipe.epochs * steps_per_epoch
+    warmup = round(recipe.warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if recipe.lr_schedule == "constant":
+            return 1.0
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,357 @@
+"""Hand-written PyTorch DistributedDataParallel (DDP): the course WideResNet on CIFAR-10.
+
+One process per GPU (or per CPU share). Each required step is tagged `# R1.<n>`; grep for it.
+
+Launch:
+
+    # 1 node x 2 GPUs, the course's main job (mp.spawn starts 2 processes)
+    python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
+
+    # the same on a CPU-only machine: 2 processes, gloo, a small smoke run
+    python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --device cpu --data-dir data \
+        --train-subset 2000 --val-subset 1000 --epochs 2
+
+    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs
+    python raw_ddp.py --num-nodes 2 --node-id 0 --num-gpus 4 --master-addr node0 --master-port 29500
+    python raw_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --master-port 29500
+
+    # Slurm, one task per node (slurm/raw_multinode.sbatch sets MASTER_ADDR and MASTER_PORT)
+    srun --ntasks-per-node=1 bash -c 'python raw_ddp.py --num-nodes $SLURM_NNODES \
+        --node-id $SLURM_NODEID --num-gpus 4'
+
+    # torchrun instead of mp.spawn: RANK, LOCAL_RANK and WORLD_SIZE come from the environment
+    torchrun --nproc_per_node 2 raw_ddp.py --data-dir data
+"""
+# ============================================================================ setup
+import argparse
+import os
+import socket
+import sys
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from cifar_wrn.data import (CIFAR10, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
+                            real_sample_mask)
+from cifar_wrn.errors import UserError
+from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
+from cifar_wrn.recipe import (as_dict, build_optimizer, build_scheduler, load_recipe, parse_set, scaled_lr)
+from cifar_wrn.runlog import JsonLog, epoch_line, run_header
+
+# Flags that are recipe keys: given on the command line they override the recipe file.
+RECIPE_FLAGS = {"epochs": "epochs", "batch_size": "batch_size", "base_lr": "base_lr",
+                "target_accuracy": "target_accuracy", "patience": "patience", "seed": "seed"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:  # R1.1
+    p = argparse.ArgumentParser(description="Hand-written DDP training of the course WideResNet on CIFAR-10.")
+    p.add_argument("--num-nodes", type=int, default=1, help="machines taking part (default 1)")
+    p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1 (default 0)")
+    p.add_argument("--num-gpus", type=int, default=1,
+                   help="processes on this machine: one per GPU, or CPU processes with --device cpu (default 1)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="address of node 0 (default: $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if os.environ.get(
+        "MASTER_PORT", "").isdigit() else None,
+                   help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)")
+    p.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)")
+    p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
+    p.add_argument("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one recipe key, e.g. --set momentum=0.9 (repeatable)")
+    p.add_argument("--epochs", type=int, help="maximum epochs (recipe: 40)")
+    p.add_argument("--batch-size", type=int, help="images per process per step (recipe: 32)")
+    p.add_argument("--base-lr", type=float, help="learning rate at the reference batch size (recipe: 0.01)")
+    p.add_argument("--target-accuracy", type=float, help="validation accuracy to reach (recipe: 0.85)")
+    p.add_argument("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
+    p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when available, else CPU with a warning (default auto)")
+    p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
+    p.add_argument("--log-json", metavar="PATH", help="write a JSON-lines log: a header, then one object per epoch")
+    p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
+    p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
+    p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
+                   help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
+                        f"in a real run)")
+    return p.parse_args(argv)
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def check_launch(args, cuda_device_count: int) -> None:
+    """Every mistake we can see before starting processes, as one clear UserError."""
+    if args.num_nodes < 1:
+        raise UserError(f"--num-nodes must be >= 1 (got {args.num_nodes})")
+    if not 0 <= args.node_id < args.num_nodes:
+        raise UserError(f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} "
+                        f"(got {args.node_id})")
+    if args.num_gpus < 1:
+        raise UserError(f"--num-gpus must be >= 1 (got {args.num_gpus})")
+    if args.device == "cuda" and cuda_device_count == 0:
+        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
+    if args.device == "cuda" and args.num_gpus > cuda_device_count:
+        raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
+    for flag in ("epochs", "batch_size", "train_subset", "val_subset", "model_width"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if args.dist_timeout <= 0:
+        raise UserError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
+    if args.master_port is None and args.num_nodes > 1:
+        raise UserError("--master-port (or $MASTER_PORT) is required with more than one node, "
+                        "so that every node meets at the same port")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UserError(f"--master-port must be in 1-65535 (got {args.master_port})")
+    if args.master_port is not None and args.node_id == 0 and not port_is_free(args.master_port):
+        raise UserError(f"--master-port {args.master_port} is already in use on this machine "
+                        f"(another run?); pick another port")
+    for flag in ("save", "log_json"):
+        path = getattr(args, flag)
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise UserError(f"--{flag.replace('_', '-')} {path}: the folder does not exist or is not writable")
+
+
+def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
+    """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
+    # R1.2: WORLD_SIZE = nodes x processes per node; ranks count node by node.
+    world_size = args.num_nodes * args.num_gpus
+    rank = args.node_id * args.num_gpus + local_rank
+    is_main = rank == 0  # only rank 0 prints and writes files
+
+    # R1.7: pin this process to its own GPU, cuda:<local_rank>, before any CUDA work.
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device(f"cuda:{local_rank}")
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # The processes on this node share its cores: without this each would start one thread
+        # per core and the oversubscribed machine runs several times slower.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))
+
+    # R1.3: join the process group: every rank connects to node 0's address and port.
+    init_method = "env://" if launched_by_torchrun() else f"tcp://{args.master_addr}:{args.master_port}"
+    try:
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=args.dist_timeout),  # R1.3: finite, from --dist-timeout
+                                device_id=device if backend == "nccl" else None)
+    except Exception as exc:
+        where = os.environ.get("MASTER_ADDR", args.master_addr) + ":" + str(
+            os.environ.get("MASTER_PORT", args.master_port))
+        raise UserError(f"rank {rank}: the process group did not form at {where} with world size {world_size} "
+                        f"within {args.dist_timeout:g} s: not every process joined. Start every node with the "
+                        f"same --num-nodes, --num-gpus, --master-addr and --master-port. ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    try:
+        # =================================================================== data
+        # R1.4: one process per node downloads (if needed); the rest wait at the barrier so that
+        # nobody reads a half-written file. (One per node, because nodes may not share a disk.)
+        if local_rank == 0 and not dataset_present(args.data_dir):
+            problem = download_cifar10(args.data_dir)
+            if problem:
+                print(f"rank {rank}: {problem}", file=sys.stderr, flush=True)
+        dist.barrier()  # R1.4
+        if not dataset_present(args.data_dir):
+            raise UserError(how_to_provide(args.data_dir))  # every rank stops with the same message
+        train_set = CIFAR10(*load_split(args.data_dir, train=True, subset=args.train_subset), augment=recipe.augment)
+        val_set = CIFAR10(*load_split(args.data_dir, train=False, subset=args.val_subset), augment=False)
+
+        # R1.5: each rank reads its own 1/world_size shard. The sampler shuffles with the same seed
+        # on every rank (so the shards stay disjoint) and pads to equal length (so every rank runs
+        # the same number of steps: DDP needs all ranks in every all-reduce).
+        train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                           seed=recipe.seed)
+        val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
+        val_mask = real_sample_mask(val_sampler)  # the padding repeats are not counted in the metrics
+        per_device_batch_size = recipe.batch_size
+        global_batch_size = per_device_batch_size * world_size
+        # Worker processes feed a GPU; on a CPU run they would only take cores from training.
+        num_workers = recipe.num_workers if device.type == "cuda" else 0
+        # drop_last: a short last batch would change the step size of that step and can leave
+        # BatchNorm a single image; every step then has exactly global_batch_size images.
+        train_loader = DataLoader(train_set, batch_size=per_device_batch_size, sampler=train_sampler,  # R1.5
+                                  drop_last=True, num_workers=num_workers, pin_memory=device.type == "cuda",
+                                  persistent_workers=num_workers > 0)
+        val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, sampler=val_sampler,  # R1.5
+                                num_workers=num_workers, pin_memory=device.type == "cuda",
+                                persistent_workers=num_workers > 0)
+        steps_per_epoch = len(train_loader)
+        if steps_per_epoch == 0:
+            raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
+                            f"batch of {per_device_batch_size} per process: use more images or a smaller batch")
+
+        # =================================================================== model
+        torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+        model = WideResNet(width=args.model_width).to(device)
+        # R1.8: DDP registers hooks that average gradients over all ranks during backward.
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        raw_model = model.module  # the plain WideResNet: for evaluation and saving
+        # A different random stream per rank for augmentation and dropout: identical streams would
+        # crop and drop the same way on every rank and waste part of the extra data.
+        torch.manual_seed(recipe.seed + rank)
+
+        # Linear LR scaling: each step averages gradients over global_batch_size images.
+        lr = scaled_lr(recipe, global_batch_size)
+        optimizer = build_optimizer(raw_model, recipe, lr)
+        scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
+        criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+        autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None
+
+        log = JsonLog(args.log_json if is_main else None)
+        log.write(run_header(
+            world_size=world_size, num_nodes=args.num_nodes, num_gpus=args.num_gpus, backend=backend,
+            device=device.type, launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
+            per_device_batch_size=per_device_batch_size, global_batch_size=global_batch_size, lr=lr,
+            steps_per_epoch=steps_per_epoch, train_images=len(train_set), val_images=len(val_set),
+            model_width=args.model_width, model_parameters=count_parameters(raw_model),
+            recipe=as_dict(recipe), argv=sys.argv))
+        if is_main and args.model_width != COURSE_WIDTH:
+            print(f"note: --model-width {args.model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
+
+        # =================================================================== train
+        fault_rank = os.environ.get("CIFAR_WRN_TEST_RAISE_IN_RANK")  # test-only fault injection
+        if fault_rank is not None and int(fault_rank) == rank:
+            raise RuntimeError(f"injected test fault in rank {rank}")
+        cumulative_time = 0.0  # training time only: validation is outside the clock
+        streak = 0  # consecutive epochs at or above the target accuracy
+        for epoch in range(recipe.epochs):
+            train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch, the same on every rank
+            model.train()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for images, labels in train_loader:
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                                    enabled=autocast_dtype is not None):
+                    loss = criterion(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
+                optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
+                scheduler.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the clock stops when the GPU has finished, not when it was told
+            epoch_time = time.perf_counter() - t0
+            cumulative_time += epoch_time
+
+            # R1.9: images/sec is a SUM over ranks: they work on different images at the same time.
+            images_per_sec = torch.tensor([steps_per_epoch * per_device_batch_size / epoch_time],
+                                          dtype=torch.float64, device=device)
+            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9
+
+            # =============================================================== evaluate
+            # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the
+            # last step each rank's differ by one update. Take rank 0's, the ones --save writes.
+            for buffer in raw_model.buffers():
+                dist.broadcast(buffer, src=0)
+            totals = evaluate(raw_model, val_loader, val_mask, device, autocast_dtype)  # [loss sum, correct, count]
+            # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
+            dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
+            val_loss = (totals[0] / totals[2]).item()
+            val_accuracy = (totals[1] / totals[2]).item()
+
+            metrics = {"epoch": epoch + 1, "cumulative_time": cumulative_time, "epoch_time": epoch_time,
+                       "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
+            if is_main:  # R1.10: one line per epoch, from rank 0 only
+                print(epoch_line(metrics), flush=True)  # R1.10
+            log.write({"kind": "epoch", **metrics})
+
+            # Every rank holds the same all-reduced accuracy, so every rank takes the same decision
+            # and none is left waiting alone in a collective.
+            streak = streak + 1 if val_accuracy >= recipe.target_accuracy else 0
+            if streak >= recipe.patience:
+                if is_main:
+                    print(f"Early stopping after epoch {epoch + 1}", flush=True)  # R1.10
+                break
+
+        # =================================================================== teardown
+        if is_main and args.save:
+            torch.save(raw_model.state_dict(), args.save)  # no "module." prefix: loads into WideResNet
+        log.close()
+    except (dist.DistBackendError, dist.DistNetworkError) as exc:
+        raise UserError(f"rank {rank}: lost contact with another process, which probably failed (see its "
+                        f"error above or on its node): {str(exc).splitlines()[0]}") from None
+    finally:
+        dist.destroy_process_group()  # R1.3
+
+
+def run_process(local_rank: int, args, recipe) -> None:
+    """train_process, with a UserError printed as one line (no traceback) and exit status 2."""
+    try:
+        train_process(local_rank, args, recipe)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def resolve(args) -> tuple[argparse.Namespace, object]:
+    """Fill in what the launch implies (device, port, torchrun's ranks), check it, and read the recipe."""
+    overrides = parse_set(args.set)
+    overrides.update({key: getattr(args, flag) for flag, key in RECIPE_FLAGS.items() if getattr(args, flag) is not None})
+    recipe = load_recipe(args.recipe, overrides)
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "auto":
+        if cuda_count == 0:
+            warnings.warn("CUDA is not available: running on the CPU with the gloo backend", stacklevel=1)
+        args.device = "cuda" if cuda_count else "cpu"
+    if launched_by_torchrun():  # torchrun decided the topology; take it from its environment
+        args.num_gpus = int(os.environ["LOCAL_WORLD_SIZE"])
+        args.num_nodes = int(os.environ["WORLD_SIZE"]) // args.num_gpus
+        args.node_id = int(os.environ["RANK"]) // args.num_gpus
+        args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
+    elif args.master_port is None and args.num_nodes == 1:
+        args.master_port = free_port()
+    check_launch(args, cuda_count)
+    return args, recipe
+
+
+if __name__ == "__main__":
+    try:
+        args, recipe = resolve(parse_args())
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if launched_by_torchrun():
+        run_process(int(os.environ["LOCAL_RANK"]), args, recipe)
+        sys.exit(0)
+    # R1.11: start one process per GPU on this node; each runs run_process(local_rank, args, recipe).
+    try:
+        mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=True)  # R1.11
+    except mp.ProcessRaisedException as exc:
+        failed = args.node_id * args.num_gpus + exc.error_index
+        print(f"error: rank {failed} failed:{exc}", file=sys.stderr)
+        sys.exit(1)
+    except mp.ProcessExitedException as exc:
+        failed = args.node_id * args.num_gpus + exc.error_index
+        if exc.exit_code != 2:  # status 2: the rank already printed its error
+            print(f"error: rank {failed} {'was killed by signal ' + exc.signal_name if exc.signal_name else f'exited with status {exc.exit_code}'}",
+                  file=sys.stderr)
+        sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
