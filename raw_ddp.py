@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
 
@@ -84,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     return p.parse_args(argv)
 
 
+def world_size_and_rank(num_nodes: int, num_gpus: int, node_id: int, local_rank: int) -> tuple[int, int]:
+    world_size = num_nodes * num_gpus  # R1.2: every process on every node
+    rank = node_id * num_gpus + local_rank  # R1.2: node 0 holds ranks 0..num_gpus-1, node 1 the next, ...
+    return world_size, rank
+
+
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
 
@@ -128,7 +135,8 @@ def check_launch(args, cuda_device_count: int) -> None:
                         "so that every node meets at the same port")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port must be in 1-65535 (got {args.master_port})")
-    if args.master_port is not None and args.node_id == 0 and not port_is_free(args.master_port):
+    if args.master_port is not None and args.node_id == 0 and not launched_by_torchrun() \
+            and not port_is_free(args.master_port):
         raise UserError(f"--master-port {args.master_port} is already in use on this machine "
                         f"(another run?); pick another port")
     for flag in ("save", "log_json"):
@@ -139,30 +147,28 @@ def check_launch(args, cuda_device_count: int) -> None:
 
 def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
     """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
-    # R1.2: WORLD_SIZE = nodes x processes per node; ranks count node by node.
-    world_size = args.num_nodes * args.num_gpus
-    rank = args.node_id * args.num_gpus + local_rank
+    world_size, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)  # R1.2
     is_main = rank == 0  # only rank 0 prints and writes files
 
     # R1.7: pin this process to its own GPU, cuda:<local_rank>, before any CUDA work.
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(local_rank)  # R1.7
+        device = torch.device(f"cuda:{local_rank}")  # R1.7
         backend = "nccl"
     else:
-        device = torch.device("cpu")
+        device = torch.device("cpu")  # R1.7: on CPU runs every process uses the CPU
         backend = "gloo"
         # The processes on this node share its cores: without this each would start one thread
         # per core and the oversubscribed machine runs several times slower.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))
 
-    # R1.3: join the process group: every rank connects to node 0's address and port.
+    # R1.3: join the process group (nccl on GPUs, gloo on CPUs): every rank connects to node 0's address and port.
     init_method = "env://" if launched_by_torchrun() else f"tcp://{args.master_addr}:{args.master_port}"
     try:
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=args.dist_timeout),  # R1.3: finite, from --dist-timeout
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,  # R1.3
+                                timeout=timedelta(seconds=args.dist_timeout),  # finite: a lost peer ends the run
                                 device_id=device if backend == "nccl" else None)
-    except Exception as exc:
+    except dist.DistError as exc:  # timed out waiting for peers, or could not reach node 0
         where = os.environ.get("MASTER_ADDR", args.master_addr) + ":" + str(
             os.environ.get("MASTER_PORT", args.master_port))
         raise UserError(f"rank {rank}: the process group did not form at {where} with world size {world_size} "
@@ -211,7 +217,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         model = WideResNet(width=args.model_width).to(device)
         # R1.8: DDP registers hooks that average gradients over all ranks during backward.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # R1.8
         raw_model = model.module  # the plain WideResNet: for evaluation and saving
         # A different random stream per rank for augmentation and dropout: identical streams would
         # crop and drop the same way on every rank and waste part of the extra data.
@@ -296,20 +302,27 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if is_main and args.save:
             torch.save(raw_model.state_dict(), args.save)  # no "module." prefix: loads into WideResNet
         log.close()
-    except (dist.DistBackendError, dist.DistNetworkError) as exc:
-        raise UserError(f"rank {rank}: lost contact with another process, which probably failed (see its "
-                        f"error above or on its node): {str(exc).splitlines()[0]}") from None
     finally:
         dist.destroy_process_group()  # R1.3
 
 
 def run_process(local_rank: int, args, recipe) -> None:
-    """train_process, with a UserError printed as one line (no traceback) and exit status 2."""
+    """train_process, with every failure reported by the rank it happened in, so nothing is lost
+    whichever failed rank the launcher notices first: a UserError as one line (exit status 2),
+    anything else with the rank number and its traceback (exit status 1)."""
+    _, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)
     try:
         train_process(local_rank, args, recipe)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (dist.DistBackendError, dist.DistNetworkError) as exc:  # a collective broke: usually a peer died
+        print(f"error: rank {rank} lost contact with another process, which probably failed (see its error "
+              f"above or in its node's log): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        print(f"error: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
@@ -345,13 +358,8 @@ if __name__ == "__main__":
     # R1.11: start one process per GPU on this node; each runs run_process(local_rank, args, recipe).
     try:
         mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=True)  # R1.11
-    except mp.ProcessRaisedException as exc:
-        failed = args.node_id * args.num_gpus + exc.error_index
-        print(f"error: rank {failed} failed:{exc}", file=sys.stderr)
-        sys.exit(1)
-    except mp.ProcessExitedException as exc:
-        failed = args.node_id * args.num_gpus + exc.error_index
-        if exc.exit_code != 2:  # status 2: the rank already printed its error
-            print(f"error: rank {failed} {'was killed by signal ' + exc.signal_name if exc.signal_name else f'exited with status {exc.exit_code}'}",
-                  file=sys.stderr)
+    except mp.ProcessExitedException as exc:  # a rank ended with an error; mp.spawn has stopped the others
+        if exc.signal_name:  # killed (the OOM killer, say): it could not report anything itself
+            _, failed = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, exc.error_index)
+            print(f"error: rank {failed} was killed by {exc.signal_name}", file=sys.stderr)
         sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)

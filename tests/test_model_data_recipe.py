@@ -1,0 +1,184 @@
+"""Pure, single-process tests: the model, data loading and validation, recipes."""
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask)
+from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
+from cifar_wrn.recipe import (Recipe, RecipeError, build_optimizer, build_scheduler, load_recipe, parse_set,
+                              scaled_lr)
+from conftest import TRAIN_IMAGES, VAL_IMAGES, write_cifar
+
+
+# ----------------------------------------------------------------------------- model
+
+def test_default_model_is_the_course_network():
+    model = WideResNet()
+    assert count_parameters(model) == COURSE_PARAMETERS == 17_117_754
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_model_structure():
+    model = WideResNet(width=4)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    shortcuts = [m for m in convs if m.kernel_size == (1, 1)]
+    assert len(convs) == 1 + 6 * 2 + 3 and len(shortcuts) == 3  # stem, 2 per block, 3 width changes
+    assert all(m.bias is not None for m in shortcuts) and all(m.bias is None for m in convs if m not in shortcuts)
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.01] * 6
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in model.modules()) == 2
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_load_split_reads_official_layout(cifar_dir):
+    images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
+    assert images.shape == (TRAIN_IMAGES, 3, 32, 32) and images.dtype == torch.uint8
+    assert labels.dtype == torch.int64 and 0 <= labels.min() and labels.max() <= 9
+    images, labels = load_split(cifar_dir, train=False, subset=7)
+    assert images.shape == (7, 3, 32, 32) and len(labels) == 7
+    # rows are CHW-planar: the first 1024 bytes of a row are the red plane
+    with open(cifar_dir / "cifar-10-batches-py" / "test_batch", "rb") as f:
+        row = pickle.load(f)["data"][0]
+    assert torch.equal(images[0, 0].flatten(), torch.from_numpy(row[:1024].copy()))
+
+
+def test_full_size_is_required_without_subset(cifar_dir):
+    with pytest.raises(DataError, match="expected 50000"):
+        load_split(cifar_dir, train=True)
+    with pytest.raises(DataError, match="val-subset 500: must be between 1 and 101"):
+        load_split(cifar_dir, train=False, subset=500)
+
+
+def test_missing_folder_says_how_to_provide(tmp_path):
+    with pytest.raises(DataError, match="prepare_cifar10.py") as err:
+        load_split(tmp_path, train=True, subset=1)
+    assert str(tmp_path) in str(err.value)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "truncated or corrupt"),
+    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.float32), "labels": [0] * 4}, open(p, "wb")),
+     "must be uint8"),
+    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1, 2, 10]}, open(p, "wb")),
+     "labels must be 0-9"),
+    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1]}, open(p, "wb")),
+     "4 images but 2 labels"),
+    (lambda p: pickle.dump([1, 2, 3], open(p, "wb")), "not a CIFAR-10 batch"),
+])
+def test_damaged_file_is_named(tmp_path, damage, message):
+    write_cifar(tmp_path, per_train_file=4, val_images=4)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    damage(path)
+    with pytest.raises(DataError, match=message) as err:
+        load_split(tmp_path, train=True, subset=4)
+    assert "data_batch_3" in str(err.value)
+
+
+def test_dataset_normalises_and_augments():
+    images = torch.full((8, 3, 32, 32), 128, dtype=torch.uint8)
+    labels = torch.arange(8)
+    plain = CIFAR10(images, labels, augment=False)
+    x, y = plain[3]
+    expected = (128 / 255 - torch.tensor(MEAN)) / torch.tensor(STD)
+    assert x.dtype == torch.float32 and x.shape == (3, 32, 32) and y == 3
+    torch.testing.assert_close(x[:, 5, 5], expected)
+    # with augmentation, random crops of a constant image show the zero padding sometimes
+    torch.manual_seed(0)
+    padded = sum(bool((CIFAR10(images, labels, augment=True)[0][0] < expected.min() - 1).any()) for _ in range(50))
+    assert 30 < padded <= 50
+
+
+def test_sampler_shards_are_disjoint_cover_and_reshuffle():
+    dataset = list(range(101))
+    shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 51               # padded to equal length
+    assert set(shards[0]) | set(shards[1]) == set(range(101))   # cover
+    assert len(set(shards[0]) & set(shards[1])) == 1            # only the single padding repeat
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first  # a new permutation each epoch
+
+
+@pytest.mark.parametrize("n, world", [(101, 2), (100, 2), (10, 3), (7, 4)])
+def test_real_sample_mask_counts_each_image_once(n, world):
+    seen = []
+    for rank in range(world):
+        sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=False)
+        mask = real_sample_mask(sampler)
+        seen += [i for i, keep in zip(sampler, mask) if keep]
+    assert sorted(seen) == list(range(n))
+
+
+def test_evaluate_returns_exact_sums():
+    torch.manual_seed(0)
+    model = WideResNet(width=4).eval()
+    images, labels = torch.randn(10, 3, 32, 32), torch.randint(0, 10, (10,))
+    loader = torch.utils.data.DataLoader(list(zip(images, labels)), batch_size=4)
+    mask = torch.tensor([True] * 9 + [False])
+    totals = evaluate(model, loader, mask, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(images[:9])
+    assert totals[2] == 9
+    assert totals[1] == (logits.argmax(1) == labels[:9]).sum()
+    torch.testing.assert_close(totals[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum"))
+
+
+# ----------------------------------------------------------------------------- recipes
+
+def test_baseline_recipe_is_the_course_default():
+    recipe = load_recipe("baseline")
+    assert (recipe.batch_size, recipe.base_lr, recipe.epochs, recipe.target_accuracy, recipe.patience) == (
+        32, 0.01, 40, 0.85, 2)
+    assert recipe.precision == "fp32" and recipe.momentum == 0.0
+
+
+def test_recipe_overrides_are_typed():
+    recipe = load_recipe("baseline", {**parse_set(["momentum=0.9", "precision=bf16", "nesterov=true"]), "epochs": 3})
+    assert recipe.momentum == 0.9 and recipe.precision == "bf16" and recipe.nesterov is True and recipe.epochs == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"momentun": "0.9"}, "unknown recipe key 'momentun'"),
+    ({"epochs": "ten"}, "'epochs' must be int"),
+    ({"precision": "fp8"}, "precision must be one of"),
+    ({"batch_size": 0}, "batch_size must be >= 1"),
+    ({"target_accuracy": 85}, "target_accuracy is a fraction"),
+])
+def test_bad_overrides_are_rejected(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("baseline", overrides)
+
+
+def test_recipe_file_unknown_key_and_missing(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("epochs: 3\nlearning_rate: 0.1\n")
+    with pytest.raises(RecipeError, match="unknown recipe key 'learning_rate'"):
+        load_recipe(str(path))
+    with pytest.raises(RecipeError, match="known recipes: baseline"):
+        load_recipe("no-such-recipe")
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        parse_set(["momentum"])
+
+
+def test_linear_lr_scaling_and_schedule():
+    recipe = Recipe()
+    assert scaled_lr(recipe, 64) == pytest.approx(0.02)
+    assert scaled_lr(Recipe(lr_scaling="none"), 64) == 0.01
+    model = WideResNet(width=4)
+    warm = Recipe(epochs=2, lr_schedule="warmup_linear", warmup_epochs=0.5, weight_decay=5e-4, momentum=0.9)
+    opt = build_optimizer(model, warm, lr=1.0)
+    assert [g["weight_decay"] for g in opt.param_groups] == [5e-4, 0.0]
+    assert all(p.ndim <= 1 for p in opt.param_groups[1]["params"])
+    sched = build_scheduler(opt, warm, steps_per_epoch=10)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)   # 5 warmup steps
+    assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))

@@ -1,0 +1,220 @@
+"""raw_ddp.py as users run it: real processes, gloo on CPU, tiny models, hard timeouts."""
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import raw_ddp
+from cifar_wrn.data import CIFAR10, evaluate, load_split
+from cifar_wrn.errors import UserError
+from cifar_wrn.model import WideResNet
+from cifar_wrn.runlog import read_log
+from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw, run, start
+
+EPOCH_LINE = re.compile(r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+
+
+def data_flags(cifar_dir):
+    return ["--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+def test_all_required_steps_are_tagged():
+    source = (REPO / "raw_ddp.py").read_text()
+    assert sorted({int(n) for n in re.findall(r"# R1\.(\d+)", source)}) == list(range(1, 12))
+    assert re.search(r"if __name__ == \"__main__\":(.|\n)*mp\.spawn\(", source)
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 2), (2, 1), (2, 4), (3, 2)])
+def test_rank_arithmetic(nodes, gpus):
+    ranks = []
+    for node_id in range(nodes):
+        for local_rank in range(gpus):
+            world_size, rank = raw_ddp.world_size_and_rank(nodes, gpus, node_id, local_rank)
+            assert world_size == nodes * gpus and rank == node_id * gpus + local_rank
+            ranks.append(rank)
+    assert ranks == list(range(nodes * gpus))  # every rank once, node by node
+
+
+def resolve(*flags, cuda=0, monkeypatch=None):
+    return raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-nodes", 2, "--node-id", 2, "--master-port", 29999], r"--node-id must be in \[0, 1\]"),
+    (["--node-id", -1], r"--node-id must be in \[0, 0\]"),
+    (["--num-gpus", 0], "--num-gpus must be >= 1"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--batch-size", 0], "batch_size must be >= 1"),
+    (["--epochs", 0], "epochs must be >= 1"),
+    (["--master-port", 70000], "--master-port must be in 1-65535"),
+    (["--master-port", 0], "--master-port must be in 1-65535"),
+    (["--num-nodes", 2], "--master-port .* is required with more than one node"),
+    (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
+    (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
+    (["--recipe", "nonesuch"], "recipe 'nonesuch' not found"),
+])
+def test_bad_launches_are_refused(flags, message, monkeypatch):
+    for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(UserError, match=message):
+        resolve("--device", "cpu", *flags) if "--device" not in flags else resolve(*flags)
+
+
+def test_more_gpus_than_devices_is_refused():
+    args = raw_ddp.parse_args(["--device", "cuda", "--num-gpus", "3", "--master-port", "29999"])
+    with pytest.raises(UserError, match="only 2 CUDA device"):
+        raw_ddp.check_launch(args, cuda_device_count=2)
+
+
+def test_port_in_use_is_refused():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        with pytest.raises(UserError, match="already in use"):
+            resolve("--device", "cpu", "--master-port", s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- DDP semantics
+
+def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
+    out = tmp_path / "result.json"
+    result = run([sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port()], timeout=120,
+                 env=cpu_env(PYTHONPATH=REPO))
+    assert result.returncode == 0, result.stderr
+    checks = json.loads(out.read_text())
+    assert checks["identical"], "parameters differ between ranks"
+    assert checks["max_change"] > 1e-3, "training did not move the weights: the comparison would be empty"
+    assert checks["max_diff_vs_single"] < 1e-5
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def two_process_run(cifar_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    result = run_raw("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY, *data_flags(cifar_dir),
+                     "--epochs", 2, "--set", "momentum=0.9", "--base-lr", 0.02,  # learns in 10 steps
+                     "--save", out / "w.pt", "--log-json", out / "log.jsonl")
+    return result, out
+
+
+def test_end_to_end_two_processes(two_process_run):
+    result, out = two_process_run
+    assert result.returncode == 0, result.stderr
+    assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]  # rank 0 only: each epoch once
+    assert "Traceback" not in result.stderr
+    header, epochs = read_log(out / "log.jsonl")
+    assert (header["world_size"], header["num_nodes"], header["num_gpus"], header["backend"]) == (2, 1, 2, "gloo")
+    assert header["recipe"]["batch_size"] == 32 and header["global_batch_size"] == 64 and header["lr"] == 0.04
+    assert header["git_commit"] and header["torch_version"] == torch.__version__
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert set(epochs[0]) >= {"cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy"}
+    assert epochs[1]["cumulative_time"] == pytest.approx(epochs[0]["epoch_time"] + epochs[1]["epoch_time"])
+    assert epochs[-1]["val_accuracy"] > 0.2  # synthetic classes are easy: well above chance (0.1)
+
+
+def test_images_per_sec_is_summed_over_ranks(two_process_run):
+    _, out = two_process_run
+    header, epochs = read_log(out / "log.jsonl")
+    # both ranks train the same number of steps in about the same time: the sum is the global rate
+    per_rank = header["steps_per_epoch"] * header["per_device_batch_size"]
+    for e in epochs:
+        global_rate = 2 * per_rank / e["epoch_time"]
+        assert 0.7 * global_rate < e["images_per_sec"] < 1.3 * global_rate
+
+
+def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
+    """Reported metrics at world size 2 (101 images: one padding repeat) equal one process evaluating
+    the saved weights on all validation images."""
+    _, out = two_process_run
+    model = WideResNet(width=4)
+    model.load_state_dict(torch.load(out / "w.pt"))  # plain state_dict, no "module." prefix
+    val_set = CIFAR10(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), augment=False)
+    loader = torch.utils.data.DataLoader(val_set, batch_size=64)
+    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"))
+    _, epochs = read_log(out / "log.jsonl")
+    assert totals[2] == VAL_IMAGES
+    assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
+    assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-5)
+
+
+def test_early_stopping_ends_every_rank_at_the_same_epoch(cifar_dir):
+    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--epochs", 6, "--target-accuracy", 0.0,
+                     "--patience", 2)
+    assert result.returncode == 0, result.stderr
+    assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]
+    assert result.stdout.count("Early stopping after epoch 2") == 1
+
+
+def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
+    port = free_port()
+    common = ["--num-nodes", 2, "--num-gpus", 1, "--master-addr", "127.0.0.1", "--master-port", port, *TINY,
+              *data_flags(cifar_dir), "--epochs", 1]
+    node0 = start([sys.executable, "raw_ddp.py", "--node-id", 0, *common, "--log-json", tmp_path / "log.jsonl"])
+    node1 = start([sys.executable, "raw_ddp.py", "--node-id", 1, *common])
+    r0, r1 = finish(node0, 180), finish(node1, 60)
+    assert r0.returncode == 0 and r1.returncode == 0, r0.stderr + r1.stderr
+    assert len(EPOCH_LINE.findall(r0.stdout)) == 1 and not EPOCH_LINE.findall(r1.stdout)
+    header, _ = read_log(tmp_path / "log.jsonl")
+    assert (header["world_size"], header["num_nodes"], header["num_gpus"]) == (2, 2, 1)
+
+
+def test_torchrun_launch(cifar_dir, tmp_path):
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
+                  "raw_ddp.py", *TINY, *data_flags(cifar_dir), "--epochs", 1, "--log-json", tmp_path / "log.jsonl"])
+    assert result.returncode == 0, result.stderr
+    assert len(EPOCH_LINE.findall(result.stdout)) == 1
+    header, _ = read_log(tmp_path / "log.jsonl")
+    assert (header["world_size"], header["launcher"]) == (2, "torchrun")
+
+
+# ----------------------------------------------------------------------------- failures: clear, prompt, no hang
+
+def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
+    result = run_raw("--num-nodes", 1, "--node-id", 3, "--device", "cpu", timeout=60)
+    assert result.returncode == 2
+    assert "error: --node-id must be in [0, 0]" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_peer_that_never_joins_times_out_with_address(cifar_dir):
+    port = free_port()
+    result = run_raw("--num-nodes", 2, "--node-id", 0, "--num-gpus", 1, "--master-port", port, "--dist-timeout", 5,
+                     *TINY, *data_flags(cifar_dir), timeout=90)
+    assert result.returncode == 2
+    assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_that_raises_is_named_with_traceback(cifar_dir):
+    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30,
+                     env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1), timeout=90)
+    assert result.returncode == 1
+    assert "error: rank 1 failed" in result.stderr
+    assert "Traceback" in result.stderr and "injected test fault in rank 1" in result.stderr
+    assert result.seconds < 60
+
+
+def test_missing_data_and_failed_download(tmp_path):
+    result = run_raw("--num-gpus", 2, *TINY, "--data-dir", tmp_path / "empty", "--dist-timeout", 30,
+                     env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"), timeout=90)
+    assert result.returncode == 2
+    assert "download from http://127.0.0.1:9" in result.stderr
+    assert f"CIFAR-10 is not in {tmp_path / 'empty' / 'cifar-10-batches-py'}" in result.stderr
+    assert "prepare_cifar10.py" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_corrupt_file_is_named(tmp_path, cifar_dir):
+    import shutil
+    shutil.copytree(cifar_dir, tmp_path / "d")
+    batch = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_2"
+    batch.write_bytes(batch.read_bytes()[:500])
+    result = run_raw("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
+    assert result.returncode == 2
+    assert f"{batch} cannot be read" in result.stderr and "Traceback" not in result.stderr
