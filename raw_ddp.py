@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.data import (CIFAR10, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
+from cifar_wrn.data import (CIFAR10, DeviceBatches, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
@@ -186,8 +188,16 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         dist.barrier()  # R1.4
         if not dataset_present(args.data_dir):
             raise UserError(how_to_provide(args.data_dir))  # every rank stops with the same message
-        train_set = CIFAR10(*load_split(args.data_dir, train=True, subset=args.train_subset), augment=recipe.augment)
-        val_set = CIFAR10(*load_split(args.data_dir, train=False, subset=args.val_subset), augment=False)
+        train_data = load_split(args.data_dir, train=True, subset=args.train_subset)
+        val_data = load_split(args.data_dir, train=False, subset=args.val_subset)
+        on_device = recipe.data_pipeline == "device"
+        if on_device:  # the whole uint8 dataset lives on this process's device; batches are cut there
+            train_set = DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
+                                      channels_last=recipe.channels_last)
+            val_set = DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last)
+        else:  # per-image transforms on the CPU, in DataLoader worker processes on GPU runs
+            train_set = CIFAR10(*train_data, augment=recipe.augment)
+            val_set = CIFAR10(*val_data, augment=False)
 
         # R1.5: each rank reads its own 1/world_size shard. The sampler shuffles with the same seed
         # on every rank (so the shards stay disjoint) and pads to equal length (so every rank runs
@@ -198,16 +208,24 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         val_mask = real_sample_mask(val_sampler)  # the padding repeats are not counted in the metrics
         per_device_batch_size = recipe.batch_size
         global_batch_size = per_device_batch_size * world_size
-        # Worker processes feed a GPU; on a CPU run they would only take cores from training.
-        num_workers = recipe.num_workers if device.type == "cuda" else 0
         # drop_last: a short last batch would change the step size of that step and can leave
         # BatchNorm a single image; every step then has exactly global_batch_size images.
-        train_loader = DataLoader(train_set, batch_size=per_device_batch_size, sampler=train_sampler,  # R1.5
-                                  drop_last=True, num_workers=num_workers, pin_memory=device.type == "cuda",
+        if on_device:
+            # The sampler's indices, grouped into batches; the dataset returns a whole batch per
+            # index list (batch_size=None: the DataLoader does no collation and needs no workers).
+            train_loader = DataLoader(train_set, batch_size=None,  # R1.5
+                                      sampler=BatchSampler(train_sampler, per_device_batch_size, drop_last=True))
+            val_loader = DataLoader(val_set, batch_size=None,  # R1.5
+                                    sampler=BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False))
+        else:
+            # Worker processes feed a GPU; on a CPU run they would only take cores from training.
+            num_workers = recipe.num_workers if device.type == "cuda" else 0
+            loader_options = dict(num_workers=num_workers, pin_memory=device.type == "cuda",
                                   persistent_workers=num_workers > 0)
-        val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, sampler=val_sampler,  # R1.5
-                                num_workers=num_workers, pin_memory=device.type == "cuda",
-                                persistent_workers=num_workers > 0)
+            train_loader = DataLoader(train_set, batch_size=per_device_batch_size, sampler=train_sampler,  # R1.5
+                                      drop_last=True, **loader_options)
+            val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, sampler=val_sampler,  # R1.5
+                                    **loader_options)
         steps_per_epoch = len(train_loader)
         if steps_per_epoch == 0:
             raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
@@ -215,10 +233,22 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
 
         # =================================================================== model
         torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = WideResNet(width=args.model_width).to(device)
+        model = WideResNet(width=args.model_width)
+        if recipe.sync_bn:  # batch statistics over the global batch, at the cost of a collective per BN layer
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
+        model = model.to(device, memory_format=memory_format)
+        torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
         # R1.8: DDP registers hooks that average gradients over all ranks during backward.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # R1.8
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,  # R1.8
+                    gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
+        if recipe.grad_compression == "bf16":  # half the bytes on the wire; the average is rounded to bf16
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         raw_model = model.module  # the plain WideResNet: for evaluation and saving
+        # The model the epoch loop evaluates and --save writes: the weights, or their moving average.
+        eval_model = raw_model if recipe.ema_decay == 0 else AveragedModel(
+            raw_model, multi_avg_fn=get_ema_multi_avg_fn(recipe.ema_decay), use_buffers=True)
+        train_model = torch.compile(model) if recipe.compile else model
         # A different random stream per rank for augmentation and dropout: identical streams would
         # crop and drop the same way on every rank and waste part of the extra data.
         torch.manual_seed(recipe.seed + rank)
@@ -254,15 +284,17 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             for images, labels in train_loader:
-                images = images.to(device, non_blocking=True)
+                images = images.to(device, non_blocking=True, memory_format=memory_format)
                 labels = labels.to(device, non_blocking=True)
                 with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
-                    loss = criterion(model(images), labels)
+                    loss = criterion(train_model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
                 optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
                 scheduler.step()
+                if eval_model is not raw_model:
+                    eval_model.update_parameters(raw_model)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the clock stops when the GPU has finished, not when it was told
             epoch_time = time.perf_counter() - t0
@@ -276,9 +308,10 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             # =============================================================== evaluate
             # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the
             # last step each rank's differ by one update. Take rank 0's, the ones --save writes.
-            for buffer in raw_model.buffers():
+            for buffer in eval_model.buffers():
                 dist.broadcast(buffer, src=0)
-            totals = evaluate(raw_model, val_loader, val_mask, device, autocast_dtype)  # [loss sum, correct, count]
+            totals = evaluate(eval_model, val_loader, val_mask, device, autocast_dtype,  # [loss sum, correct, count]
+                              tta_flip=recipe.tta_flip)
             # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
             dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
             val_loss = (totals[0] / totals[2]).item()
@@ -297,10 +330,15 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 if is_main:
                     print(f"Early stopping after epoch {epoch + 1}", flush=True)  # R1.10
                 break
+        else:
+            if is_main:
+                print(f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row "
+                      f"within {recipe.epochs} epochs", flush=True)
 
         # =================================================================== teardown
         if is_main and args.save:
-            torch.save(raw_model.state_dict(), args.save)  # no "module." prefix: loads into WideResNet
+            weights = eval_model.module if eval_model is not raw_model else raw_model  # AveragedModel wraps a copy
+            torch.save(weights.state_dict(), args.save)  # no "module." prefix: loads into WideResNet
         log.close()
     finally:
         dist.destroy_process_group()  # R1.3
@@ -343,6 +381,8 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     elif args.master_port is None and args.num_nodes == 1:
         args.master_port = free_port()
     check_launch(args, cuda_count)
+    if recipe.sync_bn and args.device == "cpu":
+        raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return args, recipe
 
 

@@ -145,8 +145,9 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None) -> torch.Tensor:
+def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None, tta_flip: bool = False) -> torch.Tensor:
     """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
+    With tta_flip, the logits are the mean over each image and its mirror image (test-time augmentation).
 
     Returns float64 [loss_sum, correct, count] on `device`. Sums, not means, so that the entry point
     can combine ranks exactly: the ratio of reduced sums is the true mean over all images.
@@ -161,8 +162,58 @@ def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None) -> 
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             logits = model(images)
+            if tta_flip:
+                logits = (logits + model(images.flip(3))) / 2
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         totals[0] += loss[keep].double().sum()
         totals[1] += (logits.argmax(1) == labels)[keep].sum()
         totals[2] += keep.sum()
     return totals
+
+
+# ----------------------------------------------------------------------------- on-device pipeline
+
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Random crop with `pad` pixels of zero padding and a random horizontal flip, for a whole
+    uint8 batch [B, C, H, W] at once: one pad, two gathers (rows, then columns), one select.
+    No per-image Python; the same code runs on CPU and GPU tensors."""
+    n, c, h, w = images.shape
+    device = images.device
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
+    rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
+    cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
+    crops = padded.gather(2, rows).gather(3, cols)
+    flip = torch.rand(n, device=device, generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], crops.flip(3), crops)
+
+
+class DeviceBatches(Dataset):
+    """The whole split as uint8 on `device` (150 MB for the training set); `dataset[indices]`
+    returns a whole normalised batch. Used with DataLoader(batch_size=None,
+    sampler=BatchSampler(DistributedSampler(...), batch_size, drop_last)), so the indices still come
+    from the DistributedSampler and set_epoch still reshuffles; the DataLoader only iterates."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, device, augment: bool, seed: int = 0,
+                 channels_last: bool = False):
+        self.device = torch.device(device)
+        self.images, self.labels = images.to(self.device), labels.to(self.device)
+        self.augment, self.channels_last = augment, channels_last
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(indices, device=self.device)
+        images = self.images[index]
+        if self.augment:
+            images = random_crop_flip(images, self.generator)
+        images = (images.float() - self.mean) / self.std
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, self.labels[index]

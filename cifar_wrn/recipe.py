@@ -43,14 +43,27 @@ class Recipe:
     label_smoothing: float = 0.0      # CrossEntropyLoss label smoothing
     # --- numerics and data
     precision: str = "fp32"           # fp32 | bf16 (autocast; weights and optimizer stay fp32)
+    channels_last: bool = False       # NHWC memory layout for the model and its inputs
+    cudnn_benchmark: bool = False     # let cuDNN time its convolution algorithms once per shape (CUDA)
+    data_pipeline: str = "dataloader" # dataloader: per-image transforms in DataLoader workers;
+                                      # device: whole uint8 dataset on the device, batched augmentation
     augment: bool = True              # random crop (4-pixel padding) + horizontal flip for training
     num_workers: int = 4              # DataLoader worker processes per GPU process (CPU runs use 0)
     eval_batch_size: int = 500        # images per process per validation step
     seed: int = 0                     # model init, sampler shuffling; augmentation uses seed + rank
+    # --- optional, each measured in docs/optimizations.md (all off by default)
+    ema_decay: float = 0.0            # evaluate an exponential moving average of the weights (0 = off)
+    ddp_bucket_view: bool = False     # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets
+    ddp_static_graph: bool = False    # DDP static_graph: the same graph every step
+    grad_compression: str = "none"    # none | bf16: all-reduce gradients in bf16 (DDP comm hook)
+    sync_bn: bool = False             # SyncBatchNorm: batch statistics over all ranks (costs a collective per BN)
+    compile: bool = False             # torch.compile the model (compile time counts in epoch 1)
+    tta_flip: bool = False            # evaluation also sees flipped images (changes the metric: report apart)
 
 
 CHOICES = {"lr_scaling": ("linear", "none"), "lr_schedule": ("constant", "warmup_linear"),
-           "precision": ("fp32", "bf16")}
+           "precision": ("fp32", "bf16"), "data_pipeline": ("dataloader", "device"),
+           "grad_compression": ("none", "bf16")}
 FIELDS = {f.name: f for f in fields(Recipe)}
 
 
@@ -121,6 +134,8 @@ def check_recipe(r: Recipe) -> None:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
+    if not 0.0 <= r.ema_decay < 1.0:
+        problems.append(f"ema_decay must be in [0, 1) (got {r.ema_decay})")
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
     for key, allowed in CHOICES.items():

@@ -1,0 +1,114 @@
+"""The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
+import re
+import sys
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+import raw_ddp
+from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split, random_crop_flip
+from cifar_wrn.errors import UserError
+from cifar_wrn.model import WideResNet
+from cifar_wrn.recipe import load_recipe
+from cifar_wrn.runlog import read_log
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, raw_ddp as run_raw
+
+
+def coordinate_images(n: int) -> torch.Tensor:
+    """Channel 0 holds row + 1, channel 1 holds column + 1 (1..32); padding shows up as 0."""
+    rows = torch.arange(1, 33, dtype=torch.uint8)[:, None].expand(32, 32)
+    cols = torch.arange(1, 33, dtype=torch.uint8)[None, :].expand(32, 32)
+    return torch.stack([rows, cols, torch.full((32, 32), 255, dtype=torch.uint8)]).expand(n, 3, 32, 32).clone()
+
+
+def test_crops_stay_inside_the_padded_image_and_flip_about_half():
+    n = 2000
+    out = random_crop_flip(coordinate_images(n), torch.Generator().manual_seed(0))
+    assert out.shape == (n, 3, 32, 32) and out.dtype == torch.uint8
+    flips, offsets = 0, set()
+    for img in out:
+        rows, cols = img[0].long(), img[1].long()
+        real = (rows > 0) & (cols > 0)                       # not padding
+        assert real.sum() >= 28 * 28                          # at most 4 pixels of padding per side
+        # rows: the same source row across a real image row, shifted by dy in [-4, 4]
+        dy = {int(rows[i][real[i]][0]) - 1 - i for i in range(32) if real[i].any()}
+        assert len(dy) == 1 and -4 <= next(iter(dy)) <= 4
+        row_cols = cols[real.any(1).nonzero()[0, 0]]
+        values = row_cols[row_cols > 0]
+        steps = set((values[1:] - values[:-1]).tolist())
+        assert steps in ({1}, {-1})                           # contiguous, mirrored or not
+        flips += steps == {-1}
+        unflipped = img.flip(2) if steps == {-1} else img
+        r, c = [int(v[0]) for v in ((unflipped[0] > 0) & (unflipped[1] > 0)).nonzero()[:1].T]
+        offsets.add((int(unflipped[0, r, c]) - 1 - r, int(unflipped[1, r, c]) - 1 - c))  # (dy, dx)
+        assert torch.all(img[2][real] == 255) and torch.all(img[:, ~real] == 0)
+    assert 0.45 * n < flips < 0.55 * n
+    assert offsets == {(dy, dx) for dy in range(-4, 5) for dx in range(-4, 5)}  # all 81 crop positions occur
+
+
+def test_device_batches_match_the_dataloader_normalisation(cifar_dir):
+    images, labels = load_split(cifar_dir, train=False, subset=VAL_IMAGES)
+    plain = CIFAR10(images, labels, augment=False)
+    batches = DeviceBatches(images, labels, "cpu", augment=False, channels_last=True)
+    x, y = batches[[5, 0, 17]]
+    assert x.dtype == torch.float32 and x.shape == (3, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(x, torch.stack([plain[i][0] for i in (5, 0, 17)]))
+    assert y.tolist() == [int(plain[i][1]) for i in (5, 0, 17)]
+
+
+def test_device_batches_are_deterministic_per_seed(cifar_dir):
+    images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
+    a, b, c = (DeviceBatches(images, labels, "cpu", augment=True, seed=s) for s in (1, 1, 2))
+    for _ in range(3):
+        xa, xb, xc = a[list(range(64))][0], b[list(range(64))][0], c[list(range(64))][0]
+        assert torch.equal(xa, xb) and not torch.equal(xa, xc)
+
+
+def test_device_loader_shards_are_disjoint(cifar_dir):
+    images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
+    dataset = DeviceBatches(images, labels, "cpu", augment=False)
+    seen = []
+    for rank in range(2):
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(3)
+        loader = DataLoader(dataset, batch_size=None, sampler=BatchSampler(sampler, 32, drop_last=True))
+        assert len(loader) == TRAIN_IMAGES // 2 // 32
+        seen.append([i for batch in loader.sampler for i in batch])
+        assert all(x.shape == (32, 3, 32, 32) for x, _ in loader)
+    assert not set(seen[0]) & set(seen[1]) and len(set(seen[0]) | set(seen[1])) == TRAIN_IMAGES
+
+
+def test_fast_recipe_file():
+    fast = load_recipe("fast")
+    assert (fast.precision, fast.data_pipeline, fast.channels_last, fast.lr_schedule) == (
+        "bf16", "device", True, "warmup_linear")
+    assert fast.nesterov and fast.momentum > 0 and fast.batch_size > load_recipe("baseline").batch_size
+
+
+def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
+    """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression
+    and flip TTA; the reported metrics equal a single-process evaluation of the saved (EMA) weights."""
+    options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
+               "tta_flip=true"]
+    result = run_raw("--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--epochs", 2,
+                     "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
+                     *[a for o in options for a in ("--set", o)], "--save", tmp_path / "w.pt",
+                     "--log-json", tmp_path / "log.jsonl")
+    assert result.returncode == 0, result.stderr
+    assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
+    header, epochs = read_log(tmp_path / "log.jsonl")
+    assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
+    model = WideResNet(width=4)
+    model.load_state_dict(torch.load(tmp_path / "w.pt"))
+    val = DeviceBatches(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), "cpu", augment=False)
+    loader = DataLoader(val, batch_size=None, sampler=BatchSampler(range(VAL_IMAGES), 50, drop_last=False))
+    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"),
+                      torch.bfloat16, tta_flip=True)
+    assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
+    assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
+
+
+def test_sync_bn_on_cpu_is_refused():
+    with pytest.raises(UserError, match="sync_bn needs CUDA"):
+        raw_ddp.resolve(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
