@@ -1,0 +1,680 @@
+"""A report from run logs: epoch tables, a scaling table, figures and the process topology.
+
+    python -m cifar_wrn.report runs/raw_1gpu.jsonl runs/raw_2gpu.jsonl runs/raw_2x4.jsonl --out reports/scaling
+
+reads the JSON-lines logs that `--log-json` writes (cifar_wrn/runlog.py: a header, then one object per
+epoch) and writes `DIR/report.md` with PNG figures next to it:
+
+- per run: the header facts, the process topology (text) and the epoch log as a table;
+- a scaling table: time to the stopping criterion, images/sec, final accuracy, speedup and parallel
+  efficiency against the 1-process run, the Karp-Flatt serial fraction and the speedups Amdahl's law
+  predicts from it;
+- figures (matplotlib, the optional extra `plot`): validation accuracy against Cumulative Time,
+  images/sec per epoch, the time profile per run (when the epoch records carry a "profile"), and a
+  process-topology diagram per configuration. Without matplotlib the tables are still written and
+  report.md says that the figures were skipped.
+
+The arithmetic is in small functions (time_to_target, speedup_by_time, karp_flatt, amdahl_speedup, ...)
+that do not need matplotlib, torch or a log file.
+"""
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+AMDAHL_GPUS = (2, 4, 8)           # the GPU counts Amdahl's law is asked about
+HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
+EPOCH_FIELDS = ("epoch", "cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy")
+# Header entries that must agree for a speedup to compare like with like.
+COMPARABLE = ("recipe", "train_images", "val_images", "model_width", "model_parameters", "device")
+INSTALL_HINT = "pip install matplotlib, or pip install -e '.[plot]'"
+
+
+class LogError(UserError):
+    """A file that is missing, unreadable or not a run log."""
+
+
+# ============================================================================ the arithmetic
+
+def stopping_epoch(accuracies, target: float, patience: int) -> int | None:
+    """Index (0-based) of the first epoch whose accuracy is >= target for the `patience`-th epoch in a
+    row: the epoch at which the trainers stop early. None when that never happens."""
+    streak = 0
+    for i, accuracy in enumerate(accuracies):
+        streak = streak + 1 if accuracy >= target else 0  # the trainers' rule, to the letter
+        if streak >= patience:
+            return i
+    return None
+
+
+def time_to_target(epochs: list[dict], target: float, patience: int) -> float | None:
+    """Cumulative Time (seconds of training, validation excluded) at the stopping epoch, or None."""
+    i = stopping_epoch([e["val_accuracy"] for e in epochs], target, patience)
+    return None if i is None else float(epochs[i]["cumulative_time"])
+
+
+def mean_images_per_sec(epochs: list[dict]) -> float | None:
+    """Arithmetic mean of the per-epoch images/sec over every logged epoch (epoch 1 included)."""
+    return sum(e["images_per_sec"] for e in epochs) / len(epochs) if epochs else None
+
+
+def speedup_by_time(t1: float, tp: float) -> float:
+    """S = T(1) / T(p): how many times faster p processes reach the same point."""
+    return t1 / tp
+
+
+def speedup_by_throughput(r1: float, rp: float) -> float:
+    """S = R(p) / R(1) for throughputs R in images/sec."""
+    return rp / r1
+
+
+def parallel_efficiency(speedup: float, p: int) -> float:
+    """E = S / p: 1 is perfect scaling."""
+    return speedup / p
+
+
+def karp_flatt(speedup: float, p: int) -> float:
+    """Experimentally determined serial fraction e = (1/S - 1/p) / (1 - 1/p) (Karp and Flatt, 1990).
+    0 for perfect scaling, 1 when p processes are no faster than one; undefined for p = 1."""
+    if p <= 1:
+        raise ValueError(f"the Karp-Flatt metric needs p > 1 processes (got {p})")
+    if not speedup > 0:
+        raise ValueError(f"the Karp-Flatt metric needs a positive speedup (got {speedup})")
+    return (1 / speedup - 1 / p) / (1 - 1 / p)
+
+
+def amdahl_speedup(serial_fraction: float, n: int) -> float:
+    """Speedup on n processors of a program whose fraction e is serial: S(n) = 1 / (e + (1 - e) / n)."""
+    return 1 / (serial_fraction + (1 - serial_fraction) / n)
+
+
+def global_rank(node_id: int, num_gpus: int, local_rank: int) -> int:
+    """The rank arithmetic of raw_ddp.py (R1.2): node 0 holds ranks 0..num_gpus-1, node 1 the next, ..."""
+    return node_id * num_gpus + local_rank
+
+
+# ============================================================================ reading logs
+
+@dataclass
+class Run:
+    path: Path
+    header: dict
+    epochs: list[dict]
+    label: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.header["world_size"]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.header["num_nodes"]
+
+    @property
+    def num_gpus(self) -> int:
+        return self.header["num_gpus"]
+
+    @property
+    def target(self) -> float:
+        return self.header["recipe"]["target_accuracy"]
+
+    @property
+    def patience(self) -> int:
+        return self.header["recipe"]["patience"]
+
+    @property
+    def config(self) -> tuple:
+        return (self.num_nodes, self.num_gpus, self.header["backend"], self.header["device"])
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_run(path) -> Run:
+    """A run log, checked: a LogError names the file (and line) when it is not one."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LogError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LogError(f"{path}: is a folder, not a run log") from None
+    except UnicodeDecodeError:
+        raise LogError(f"{path}: not a run log (not a text file)") from None
+    except OSError as exc:
+        raise LogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    hint = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
+    header, epochs = None, []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise LogError(f"{path}, line {number}: not JSON; {hint}") from None
+        if not isinstance(record, dict):
+            raise LogError(f"{path}, line {number}: not a JSON object; {hint}")
+        if record.get("kind") == "header":
+            if header is not None:
+                raise LogError(f"{path}, line {number}: a second header (two runs in one file?); one run per file")
+            missing = [k for k in HEADER_FIELDS if k not in record]
+            if missing:
+                raise LogError(f"{path}, line {number}: the header lacks {', '.join(missing)}")
+            for key in ("world_size", "num_nodes", "num_gpus"):
+                if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
+                    raise LogError(f"{path}, line {number}: header {key} must be a positive integer "
+                                   f"(got {record[key]!r})")
+            if record["world_size"] != record["num_nodes"] * record["num_gpus"]:
+                raise LogError(f"{path}, line {number}: header world_size {record['world_size']} is not "
+                               f"num_nodes x num_gpus = {record['num_nodes']} x {record['num_gpus']}")
+            recipe = record.get("recipe")
+            if not isinstance(recipe, dict) or not _is_number(recipe.get("target_accuracy")) \
+                    or not isinstance(recipe.get("patience"), int):
+                raise LogError(f"{path}, line {number}: the header has no recipe with target_accuracy and patience")
+            header = record
+        elif record.get("kind") == "epoch":
+            if header is None:
+                raise LogError(f"{path}, line {number}: an epoch record before the header; {hint}")
+            bad = [k for k in EPOCH_FIELDS if not _is_number(record.get(k))]
+            if bad:
+                raise LogError(f"{path}, line {number}: the epoch record lacks numeric {', '.join(bad)}")
+            epochs.append(record)
+        # other kinds of record (none today) are left alone: a newer trainer may add some
+    if header is None:
+        raise LogError(f"{path}: not a run log (no header record); {hint}")
+    return Run(path, header, epochs)
+
+
+def label_runs(runs: list[Run]) -> None:
+    """A short, unique name per run (the file name without .jsonl), used in tables and figure names."""
+    names = [r.path.stem for r in runs]
+    for run, name in zip(runs, names):
+        if names.count(name) > 1:
+            name = f"{run.path.parent.name}/{name}" if run.path.parent.name else name
+        run.label = name
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.label] = seen.get(run.label, 0) + 1
+        if seen[run.label] > 1:
+            run.label = f"{run.label} #{seen[run.label]}"
+
+
+# ============================================================================ scaling
+
+@dataclass
+class Scaling:
+    rows: list[dict]              # one per run, in the order of the table
+    basis: str | None             # "time" (Cumulative Time to target), "throughput" (images/sec), None
+    baseline: Run | None
+    notes: list[str]
+
+
+def scaling(runs: list[Run]) -> Scaling:
+    """The numbers of the scaling table. Speedup is against the first 1-process run: by Cumulative Time to
+    target when every run reached it, else by mean images/sec (so all rows share one basis)."""
+    ordered = sorted(runs, key=lambda r: (r.world_size, r.num_nodes))  # stable: ties keep the given order
+    rows = [{"run": r, "p": r.world_size, "time_to_target": time_to_target(r.epochs, r.target, r.patience),
+             "images_per_sec": mean_images_per_sec(r.epochs),
+             "final_accuracy": r.epochs[-1]["val_accuracy"] if r.epochs else None} for r in ordered]
+    notes = []
+    singles = [r for r in ordered if r.world_size == 1]
+    if not singles:
+        return Scaling(rows, None, None, ["There is no 1-process run (world size 1) among these logs, so no "
+                                          "speedup, efficiency, Karp-Flatt or Amdahl columns: add one."])
+    baseline = singles[0]
+    if len(singles) > 1:
+        notes.append(f"Several 1-process runs: speedups are against the first, `{baseline.label}`.")
+    if all(row["time_to_target"] for row in rows):  # reached (and a time above zero) in every run
+        basis = "time"
+        base = time_to_target(baseline.epochs, baseline.target, baseline.patience)
+        value = lambda row: speedup_by_time(base, row["time_to_target"])
+    elif all(row["images_per_sec"] for row in rows):
+        basis = "throughput"
+        base = mean_images_per_sec(baseline.epochs)
+        value = lambda row: speedup_by_throughput(base, row["images_per_sec"])
+    else:
+        return Scaling(rows, None, baseline, notes + ["A run has no epoch records: no speedup columns."])
+    for row in rows:
+        row["speedup"] = s = value(row)
+        row["efficiency"] = parallel_efficiency(s, row["p"])
+        if row["p"] > 1 and s > 0:
+            row["karp_flatt"] = e = karp_flatt(s, row["p"])
+            row["amdahl"] = {n: _safe_amdahl(e, n) for n in AMDAHL_GPUS}
+    if any(row.get("karp_flatt", 0) < 0 for row in rows):
+        notes.append("A negative serial fraction means a speedup above p (superlinear): the runs differ in more "
+                     "than the process count (convergence in fewer epochs, caches, noise); its Amdahl predictions "
+                     "mean nothing.")
+    return Scaling(rows, basis, baseline, notes)
+
+
+def _safe_amdahl(e: float, n: int) -> float | None:
+    denominator = e + (1 - e) / n
+    return 1 / denominator if denominator > 0 else None
+
+
+def differences(runs: list[Run]) -> list[str]:
+    """Header entries (COMPARABLE) that are not the same in every run."""
+    out = []
+    for key in COMPARABLE:
+        values = [r.header.get(key) for r in runs]
+        if all(v == values[0] for v in values):
+            continue
+        if key == "recipe" and all(isinstance(v, dict) for v in values):
+            keys = sorted({k for v in values for k in v if len({json.dumps(x.get(k)) for x in values}) > 1})
+            out.append("recipe (" + ", ".join(keys) + ")")
+        else:
+            out.append(key)
+    return out
+
+
+# ============================================================================ text
+
+def fmt(value, digits: int = 3, missing: str = "–") -> str:
+    if value is None:
+        return missing
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def md_cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(md_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def topology_text(num_nodes: int, num_gpus: int, backend: str, device: str) -> str:
+    """Nodes, the processes in each with local and global rank, and the ring 0 -> 1 -> ... -> 0."""
+    world = num_nodes * num_gpus
+    slot = "cuda:{l}" if device == "cuda" else "cpu"
+    lines = [f"{num_nodes} node(s) x {num_gpus} process(es) per node = world size {world} "
+             f"({backend} on {device})"]
+    for node in range(num_nodes):
+        cells = [f"[{slot.format(l=l)} local_rank {l} = rank {global_rank(node, num_gpus, l)}]"
+                 for l in range(num_gpus)]
+        lines.append(f"node {node}: " + " ".join(cells))
+    if world == 1:
+        lines.append("one process: no all-reduce")
+    else:
+        ring = "0"
+        for rank in range(world):
+            nxt = (rank + 1) % world
+            ring += (" => " if rank // num_gpus != nxt // num_gpus else " -> ") + str(nxt)
+        lines.append(f"ring: {ring}")
+        lines.append("(-> within a node, => between nodes; a simple picture of a ring all-reduce: "
+                     f"{backend} picks its own rings/trees)")
+    return "\n".join(lines)
+
+
+def profile_parts(epochs: list[dict]) -> dict[str, float]:
+    """Mean seconds per epoch of each numeric entry of the epochs' "profile" dicts ({} when none)."""
+    sums: dict[str, float] = {}
+    profiled = [e["profile"] for e in epochs if isinstance(e.get("profile"), dict)]
+    for prof in profiled:
+        for key, value in prof.items():
+            if _is_number(value) and math.isfinite(value):
+                sums[key] = sums.get(key, 0.0) + value
+    return {key: total / len(profiled) for key, total in sums.items()}
+
+
+def _profile_keys(epochs: list[dict]) -> list[str]:
+    """The numeric profile entries of any epoch, in order of first appearance."""
+    keys: list[str] = []
+    for e in epochs:
+        profile = e.get("profile") if isinstance(e.get("profile"), dict) else {}
+        keys += [key for key, value in profile.items() if _is_number(value) and key not in keys]
+    return keys
+
+
+def header_facts(run: Run) -> list[list]:
+    h = run.header
+    per_node = "GPUs per node" if h["device"] == "cuda" else "processes per node (CPU)"
+    facts = [["world size (processes)", h["world_size"]], ["nodes", h["num_nodes"]], [per_node, h["num_gpus"]],
+             ["backend", h["backend"]], ["device", h["device"]], ["commit", h.get("git_commit", "not logged")]]
+    optional = [("trainer", "trainer"), ("launcher", "launcher"), ("per-process batch", "per_device_batch_size"),
+                ("global batch", "global_batch_size"), ("learning rate", "lr"), ("steps per epoch", "steps_per_epoch"),
+                ("training images", "train_images"), ("validation images", "val_images"),
+                ("model width", "model_width"), ("model parameters", "model_parameters"),
+                ("torch", "torch_version"), ("host (rank 0)", "hostname"), ("started", "started_at")]
+    facts += [[name, h[key]] for name, key in optional if key in h]
+    facts.append(["stopping rule", f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"])
+    return facts
+
+
+def epoch_table(run: Run) -> str:
+    if not run.epochs:
+        return "_No epoch records: the run ended before its first epoch finished._"
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    parts = _profile_keys(run.epochs)
+    head = ["Epoch", "Cumulative Time (s)", "Epoch Time (s)", "Images/sec", "Val loss", "Val accuracy",
+            f">= {run.target}"] + [f"{k} (s)" for k in parts]
+    rows, streak = [], 0
+    for i, e in enumerate(run.epochs):
+        streak = streak + 1 if e["val_accuracy"] >= run.target else 0
+        mark = f"{streak}/{run.patience}, stop" if i == stop else (f"{min(streak, run.patience)}/{run.patience}"
+                                                                     if streak else "")
+        profile = e.get("profile") if isinstance(e.get("profile"), dict) else {}
+        rows.append([e["epoch"], fmt(e["cumulative_time"]), fmt(e["epoch_time"]), fmt(e["images_per_sec"], 1),
+                     fmt(e["val_loss"], 4), fmt(e["val_accuracy"], 4), mark]
+                    + [fmt(profile.get(k)) if _is_number(profile.get(k)) else "–" for k in parts])
+    return md_table(head, rows)
+
+
+def scaling_section(sc: Scaling, runs: list[Run]) -> list[str]:
+    out = ["## Scaling", ""]
+    speed = sc.basis is not None
+    head = ["run", "processes (world size)", "nodes x per node", "Cumulative Time to target (s)",
+            "mean Images/sec", "final val accuracy"]
+    if speed:
+        head += [f"speedup ({'time to target' if sc.basis == 'time' else 'images/sec'})", "efficiency",
+                 "Karp-Flatt e"] + [f"Amdahl S({n})" for n in AMDAHL_GPUS]
+    rows = []
+    for row in sc.rows:
+        r = row["run"]
+        cells = [r.label, row["p"], f"{r.num_nodes} x {r.num_gpus}",
+                 fmt(row["time_to_target"], missing="not reached"), fmt(row["images_per_sec"], 1),
+                 fmt(row["final_accuracy"], 4)]
+        if speed:
+            amdahl = row.get("amdahl", {})
+            cells += [fmt(row["speedup"]), fmt(row["efficiency"]), fmt(row.get("karp_flatt"), 4)]
+            cells += [fmt(amdahl.get(n)) for n in AMDAHL_GPUS]
+        rows.append(cells)
+    out += [md_table(head, rows), ""]
+    targets = sorted({(r.target, r.patience) for r in runs})
+    out.append("- **Cumulative Time to target**: the Cumulative Time (training only, validation excluded, rank "
+               "0's clock) at the first epoch where validation accuracy has been >= the target for `patience` "
+               "consecutive epochs: the epoch the trainers stop at. Target, patience from each header's recipe: "
+               + ", ".join(f"{t} x {p}" for t, p in targets) + ".")
+    out.append("- **mean Images/sec**: each epoch's Images/sec is the sum over all processes (as logged); the "
+               "table shows the arithmetic mean over all logged epochs of the run, epoch 1 (warm-up) included.")
+    if sc.basis == "time":
+        out.append(f"- **Speedup basis: Cumulative Time to target.** Every run reached the target, so "
+                   f"S = T(1 process) / T(p) with T(1) from `{sc.baseline.label}`. This includes any change in the "
+                   f"number of epochs needed (a larger global batch can need more or fewer).")
+    elif sc.basis == "throughput":
+        out.append(f"- **Speedup basis: mean Images/sec** (not every run reached the target, so time to target "
+                   f"cannot be compared): S = R(p) / R(1 process) with R(1) from `{sc.baseline.label}`. This "
+                   f"measures raw training speed only, not how many epochs each run needs.")
+    if speed:
+        out.append("- **efficiency** E = S / p. **Karp-Flatt** serial fraction e = (1/S − 1/p) / (1 − 1/p): the "
+                   "share of the 1-process work that behaves as if it could not be parallelised (communication, "
+                   "synchronisation, serial work); a constant e across p suggests a true serial part, a growing e "
+                   "suggests overhead that grows with p.")
+        out.append("- **Amdahl S(n)** = 1 / (e + (1 − e) / n): the speedup on n GPUs predicted from that run's e.")
+    out += [f"- {note}" for note in sc.notes]
+    diff = differences(runs)
+    if diff:
+        out.append("- **Warning: the runs differ in " + "; ".join(diff) + "**: the speedups compare different "
+                   "experiments, not only different process counts.")
+    return out + [""]
+
+
+def profile_section(runs: list[Run]) -> list[str]:
+    profiled = [(r, profile_parts(r.epochs)) for r in runs]
+    profiled = [(r, parts) for r, parts in profiled if parts]
+    if not profiled:
+        return []
+    keys = []
+    for _, parts in profiled:
+        keys += [k for k in parts if k not in keys]
+    rows = [[r.label] + [fmt(parts.get(k)) for k in keys] + [fmt(sum(parts.values()))] for r, parts in profiled]
+    return ["## Time profile", "", "Mean seconds per epoch of each part, over the epochs that carry a profile.", "",
+            md_table(["run"] + keys + ["sum"], rows), ""]
+
+
+# ============================================================================ figures
+
+def load_matplotlib():
+    """(Figure, FigureCanvasAgg), or None when matplotlib is not installed. The Agg canvas is attached to
+    each figure directly: no pyplot, no global backend, nothing shown on a screen."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure, FigureCanvasAgg
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def _save(mpl, fig, path: Path) -> Path:
+    mpl[1](fig)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def _legend_name(run: Run) -> str:
+    return f"{run.label} ({run.num_nodes}x{run.num_gpus})"
+
+
+def plot_accuracy(mpl, runs: list[Run], path: Path) -> Path:
+    fig = mpl[0](figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for run in runs:
+        xs = [e["cumulative_time"] for e in run.epochs]
+        line, = ax.plot(xs, [e["val_accuracy"] for e in run.epochs], marker="o", ms=3, label=_legend_name(run))
+        stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+        if stop is not None:
+            ax.plot([xs[stop]], [run.epochs[stop]["val_accuracy"]], marker="*", ms=14, color=line.get_color(),
+                    linestyle="none")
+    for target in sorted({r.target for r in runs}):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("Cumulative Time (s, training only)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("Validation accuracy against training time (* = stopping criterion met)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(mpl, fig, path)
+
+
+def plot_throughput(mpl, runs: list[Run], path: Path) -> Path:
+    fig = mpl[0](figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for run in runs:
+        ax.plot([e["epoch"] for e in run.epochs], [e["images_per_sec"] for e in run.epochs], marker="o", ms=3,
+                label=_legend_name(run))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("images/sec (sum over processes)")
+    ax.set_title("Training throughput per epoch")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(mpl, fig, path)
+
+
+def plot_profile(mpl, runs: list[Run], path: Path) -> Path | None:
+    profiled = [(r, profile_parts(r.epochs)) for r in runs]
+    profiled = [(r, parts) for r, parts in profiled if parts]
+    if not profiled:
+        return None
+    keys = []
+    for _, parts in profiled:
+        keys += [k for k in parts if k not in keys]
+    fig = mpl[0](figsize=(max(5, 1.3 * len(profiled) + 3), 4.5))
+    ax = fig.add_subplot()
+    x = list(range(len(profiled)))
+    bottom = [0.0] * len(profiled)
+    for key in keys:
+        heights = [parts.get(key, 0.0) for _, parts in profiled]
+        ax.bar(x, heights, bottom=bottom, label=key, width=0.6)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(x, [_legend_name(r) for r, _ in profiled], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("seconds per epoch (mean)")
+    ax.set_title("Where an epoch's time goes")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(mpl, fig, path)
+
+
+def plot_topology(mpl, num_nodes: int, num_gpus: int, backend: str, device: str, path: Path) -> Path:
+    """Nodes as boxes, one box per process inside with its local and global rank, and the ring drawn
+    simply as arrows 0 -> 1 -> ... -> world_size-1 -> 0 (red where an arrow crosses between nodes)."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    from matplotlib.path import Path as MplPath
+
+    world = num_nodes * num_gpus
+    w, h, gap, pad, node_gap = 1.6, 1.0, 0.7, 0.45, 0.9     # process box, gaps, padding inside a node
+    title_h = 0.35                                          # room for the node's name
+    node_w = max(num_gpus * w + (num_gpus - 1) * gap + 2 * pad, 3.2)  # at least as wide as its name
+    node_h = h + 2 * pad + title_h
+    margin = 0.5                                            # room around the nodes for the closing arrow
+    fig = mpl[0](figsize=(max(4.5, 0.9 * (node_w + 2 * margin)), 0.9 * (num_nodes * (node_h + node_gap)) + 0.8))
+    ax = fig.add_subplot()
+    ax.set_aspect("equal")
+    ax.axis("off")
+    box = {}                                                # rank -> (x0, y0) of its box
+    for node in range(num_nodes):
+        y0 = -node * (node_h + node_gap)
+        ax.add_patch(FancyBboxPatch((0, y0), node_w, node_h, boxstyle="round,pad=0.02,rounding_size=0.15",
+                                    facecolor="#eef3fa", edgecolor="#35597f", linewidth=1.5))
+        ax.text(pad, y0 + node_h - 0.25, f"node {node}" + (" (MASTER_ADDR)" if node == 0 else ""),
+                ha="left", va="center", fontsize=9, fontweight="bold", color="#35597f")
+        for local in range(num_gpus):
+            rank = global_rank(node, num_gpus, local)
+            x0 = (node_w - num_gpus * w - (num_gpus - 1) * gap) / 2 + local * (w + gap)  # centred in the node
+            ax.add_patch(FancyBboxPatch((x0, y0 + pad), w, h, boxstyle="round,pad=0.02,rounding_size=0.08",
+                                        facecolor="#ffe9b3" if rank == 0 else "white", edgecolor="black"))
+            where = f"cuda:{local}" if device == "cuda" else "CPU process"
+            ax.text(x0 + w / 2, y0 + pad + h / 2, f"rank {rank}\nlocal_rank {local}\n{where}", ha="center",
+                    va="center", fontsize=8)
+            box[rank] = (x0, y0 + pad)
+
+    def arrow(points, between):
+        ax.add_patch(FancyArrowPatch(path=MplPath(points), arrowstyle="-|>", mutation_scale=12, linewidth=1.4,
+                                     color="#c0392b" if between else "#2c7a3f", zorder=3))
+
+    for rank in range(world if world > 1 else 0):
+        nxt = (rank + 1) % world
+        (x1, y1), (x2, y2) = box[rank], box[nxt]
+        between = rank // num_gpus != nxt // num_gpus
+        if world == 2 and num_gpus == 2:                    # one node, two processes: two parallel arrows
+            dy = 0.2 * h if nxt == 1 else -0.2 * h
+            arrow([(x1 + (w if nxt == 1 else 0), y1 + h / 2 + dy), (x2 + (0 if nxt == 1 else w), y2 + h / 2 + dy)],
+                  False)
+        elif nxt == rank + 1 and not between:               # the next box in the same node
+            arrow([(x1 + w, y1 + h / 2), (x2, y2 + h / 2)], False)
+        elif nxt == rank + 1:                               # last process of a node -> first of the next node
+            arrow([(x1 + w / 2, y1), (x1 + w / 2, y1 - pad - node_gap / 2), (x2 + w / 2, y1 - pad - node_gap / 2),
+                   (x2 + w / 2, y2 + h)], True)
+        elif num_nodes == 1:                                # close the ring under the row of one node
+            low = y1 - pad / 2
+            arrow([(x1 + w / 2, y1), (x1 + w / 2, low), (x2 + w / 2, low), (x2 + w / 2, y2)], False)
+        else:                                               # close the ring around the nodes: right, top, left
+            right, top, left = node_w + margin / 2, node_h + margin / 2, -margin / 2
+            arrow([(x1 + w, y1 + h / 2), (right, y1 + h / 2), (right, top), (left, top), (left, y2 + h / 2),
+                   (x2, y2 + h / 2)], True)
+    ax.set_xlim(-margin, node_w + margin)
+    ax.set_ylim(-(num_nodes - 1) * (node_h + node_gap) - 0.2, node_h + margin)
+    if world == 1:
+        ring = "one process: no all-reduce"
+    elif world <= 8:
+        ring = "ring all-reduce drawn simply: " + " → ".join(str(r) for r in [*range(world), 0])
+    else:
+        ring = f"ring all-reduce drawn simply: 0 → 1 → … → {world - 1} → 0"
+    ax.set_title(f"{num_nodes} node(s) × {num_gpus} per node = world size {world}, {backend} on {device}\n{ring}\n"
+                 "global rank = node_id × num_gpus + local_rank" + ("; red: between nodes" if num_nodes > 1 else ""),
+                 fontsize=9)
+    return _save(mpl, fig, path)
+
+
+# ============================================================================ the report
+
+def write_report(runs: list[Run], out_dir, figures: bool = True) -> tuple[Path, list[Path], str | None]:
+    """Write out_dir/report.md (and the PNGs). Returns (report path, figure paths, why figures were skipped)."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot create the folder ({exc.strerror or exc})") from None
+    label_runs(runs)
+    sc = scaling(runs)
+    mpl = load_matplotlib() if figures else None
+    skipped = None if mpl else (f"matplotlib is missing ({INSTALL_HINT})" if figures else "--no-figures was given")
+
+    written: list[Path] = []
+    topology_png: dict[tuple, Path] = {}
+    if mpl:
+        with_epochs = [r for r in runs if r.epochs]
+        if with_epochs:
+            written.append(plot_accuracy(mpl, with_epochs, out_dir / "accuracy_vs_time.png"))
+            written.append(plot_throughput(mpl, with_epochs, out_dir / "images_per_sec.png"))
+        profile_png = plot_profile(mpl, runs, out_dir / "profile.png")
+        if profile_png:
+            written.append(profile_png)
+        for run in runs:
+            if run.config not in topology_png:
+                nodes, gpus, backend, device = run.config
+                name = f"topology_{nodes}x{gpus}_{safe_name(str(backend))}_{safe_name(str(device))}.png"
+                topology_png[run.config] = plot_topology(mpl, nodes, gpus, str(backend), str(device), out_dir / name)
+                written.append(topology_png[run.config])
+
+    lines = ["# Training report", "",
+             f"{len(runs)} run(s): " + ", ".join(f"`{r.label}` ({r.path})" for r in runs) + ".", ""]
+    if mpl:
+        lines += ["Figures: [accuracy against time](accuracy_vs_time.png), [images/sec](images_per_sec.png)"
+                  + (", [time profile](profile.png)" if (out_dir / "profile.png") in written else "")
+                  + ", and a topology diagram per configuration (in each run's section).", ""]
+    else:
+        lines += [f"**Figures skipped: {skipped}.** The tables and the text topology below are complete.", ""]
+    lines += scaling_section(sc, runs)
+    if mpl and any(r.epochs for r in runs):
+        lines += ["![validation accuracy against Cumulative Time](accuracy_vs_time.png)", "",
+                  "![images/sec per epoch](images_per_sec.png)", ""]
+    profile = profile_section(runs)
+    if profile:
+        lines += profile
+        if mpl:
+            lines += ["![time profile per run](profile.png)", ""]
+    lines += ["## Runs", ""]
+    for run in runs:
+        lines += [f"### {run.label}", "", f"Log: `{run.path}`", "", md_table(["", ""], header_facts(run)), "",
+                  "Process topology:", "", "```", topology_text(*run.config), "```", ""]
+        if run.config in topology_png:
+            lines += [f"![process topology of {md_cell(run.label)}]({topology_png[run.config].name})", ""]
+        lines += [epoch_table(run), ""]
+    report = out_dir / "report.md"
+    try:
+        report.write_text("\n".join(lines))
+    except OSError as exc:
+        raise UserError(f"{report}: cannot write ({exc.strerror or exc})") from None
+    return report, written, skipped
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cifar_wrn.report",
+                                description="Tables, scaling numbers and figures from --log-json run logs.")
+    p.add_argument("logs", nargs="+", metavar="RUN.jsonl", help="run logs written by raw_ddp.py/accel_train.py "
+                                                                "--log-json (one run per file)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for report.md and the PNG figures")
+    p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = [read_run(path) for path in args.logs]
+        report, figures, skipped = write_report(runs, args.out, figures=not args.no_figures)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {report}" + (f" and {len(figures)} figure(s)" if figures else "")
+          + (f" (figures skipped: {skipped})" if skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
