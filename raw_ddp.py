@@ -25,6 +25,7 @@ Launch:
 # ============================================================================ setup
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -40,7 +41,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.data import (CIFAR10, DeviceBatches, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
+from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoint, resume_problem, save_atomic
+from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
@@ -58,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1 (default 0)")
     p.add_argument("--num-gpus", type=int, default=1,
                    help="processes on this machine: one per GPU, or CPU processes with --device cpu (default 1)")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="address of node 0 (default: $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                   help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1 when there is one node)")
     p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if os.environ.get(
         "MASTER_PORT", "").isdigit() else None,
                    help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)")
@@ -81,10 +83,27 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     p.add_argument("--log-json", metavar="PATH", help="write a JSON-lines log: a header, then one object per epoch")
     p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
     p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write DIR/checkpoint.pt after every epoch and on SIGUSR1/SIGTERM (a folder every node sees)")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt; fail if there is none")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue from DIR/checkpoint.pt if it exists, else start fresh (for requeued jobs)")
     p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
                    help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
                         f"in a real run)")
     return p.parse_args(argv)
+
+
+# Preemption: Slurm signals the launcher (SIGUSR1 from `--signal=B:USR1@120`, or SIGTERM); the launcher
+# passes SIGUSR1 to its ranks; each rank sets this flag, and at the next step all ranks agree (MAX over
+# ranks), rank 0 writes a checkpoint and every rank exits with PREEMPTED_EXIT: "requeue me".
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a temporary failure, try again
+stop_requested = False
+
+
+def request_stop(signum, frame) -> None:
+    global stop_requested
+    stop_requested = True
 
 
 def world_size_and_rank(num_nodes: int, num_gpus: int, node_id: int, local_rank: int) -> tuple[int, int]:
@@ -132,6 +151,9 @@ def check_launch(args, cuda_device_count: int) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if args.dist_timeout <= 0:
         raise UserError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
+    if args.master_addr is None:
+        raise UserError("--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
+                        "node 0, which every node can reach")
     if args.master_port is None and args.num_nodes > 1:
         raise UserError("--master-port (or $MASTER_PORT) is required with more than one node, "
                         "so that every node meets at the same port")
@@ -143,14 +165,23 @@ def check_launch(args, cuda_device_count: int) -> None:
                         f"(another run?); pick another port")
     for flag in ("save", "log_json"):
         path = getattr(args, flag)
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        if path and args.node_id == 0 and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UserError(f"--{flag.replace('_', '-')} {path}: the folder does not exist or is not writable")
+    if (args.resume or args.auto_resume) and not args.checkpoint_dir:
+        raise UserError("--resume and --auto-resume need --checkpoint-dir")
+    if args.resume and args.auto_resume:
+        raise UserError("use either --resume (a checkpoint must exist) or --auto-resume (start fresh without one)")
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir)
 
 
 def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
     """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
     world_size, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)  # R1.2
     is_main = rank == 0  # only rank 0 prints and writes files
+    signal.signal(signal.SIGUSR1, request_stop)  # from our launcher (or directly from Slurm)
+    if launched_by_torchrun():
+        signal.signal(signal.SIGTERM, request_stop)  # torchrun passes SIGTERM on to its workers
 
     # R1.7: pin this process to its own GPU, cuda:<local_rank>, before any CUDA work.
     if args.device == "cuda":
@@ -210,23 +241,22 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         global_batch_size = per_device_batch_size * world_size
         # drop_last: a short last batch would change the step size of that step and can leave
         # BatchNorm a single image; every step then has exactly global_batch_size images.
+        # SkipFirst lets a run resumed in the middle of an epoch leave out the batches already trained.
+        train_batches = SkipFirst(BatchSampler(train_sampler, per_device_batch_size, drop_last=True))
+        val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
         if on_device:
-            # The sampler's indices, grouped into batches; the dataset returns a whole batch per
-            # index list (batch_size=None: the DataLoader does no collation and needs no workers).
-            train_loader = DataLoader(train_set, batch_size=None,  # R1.5
-                                      sampler=BatchSampler(train_sampler, per_device_batch_size, drop_last=True))
-            val_loader = DataLoader(val_set, batch_size=None,  # R1.5
-                                    sampler=BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False))
+            # The dataset returns a whole batch per list of indices (batch_size=None: the DataLoader
+            # does no collation and needs no workers).
+            train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches)  # R1.5
+            val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches)  # R1.5
         else:
             # Worker processes feed a GPU; on a CPU run they would only take cores from training.
             num_workers = recipe.num_workers if device.type == "cuda" else 0
             loader_options = dict(num_workers=num_workers, pin_memory=device.type == "cuda",
                                   persistent_workers=num_workers > 0)
-            train_loader = DataLoader(train_set, batch_size=per_device_batch_size, sampler=train_sampler,  # R1.5
-                                      drop_last=True, **loader_options)
-            val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, sampler=val_sampler,  # R1.5
-                                    **loader_options)
-        steps_per_epoch = len(train_loader)
+            train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options)  # R1.5
+            val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options)  # R1.5
+        steps_per_epoch = len(train_batches.batches)
         if steps_per_epoch == 0:
             raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                             f"batch of {per_device_batch_size} per process: use more images or a smaller batch")
@@ -260,14 +290,74 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
         autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None
 
-        log = JsonLog(args.log_json if is_main else None)
+        # Where this run starts: from scratch, or where a checkpoint left off.
+        start_epoch, start_step, epoch_time_so_far = 0, 0, 0.0  # the epoch to run, steps of it already done
+        cumulative_time, history, streak = 0.0, [], 0  # streak: consecutive epochs at or above the target
+        checkpoint_file = checkpoint_path(args.checkpoint_dir) if args.checkpoint_dir else None
+        if args.resume or (args.auto_resume and checkpoint_file.is_file()):
+            checkpoint = load_checkpoint(args.checkpoint_dir)
+            problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width)
+            if problem:
+                raise UserError(f"cannot resume from {checkpoint_file}: {problem}")
+            raw_model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            if eval_model is not raw_model:
+                eval_model.load_state_dict(checkpoint["ema"])
+            rng = checkpoint["rng"][rank]  # this rank's own random streams, exactly where they were
+            torch.set_rng_state(rng["torch"])
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], device)
+            if on_device:
+                train_set.generator.set_state(rng["pipeline"])
+            start_epoch, start_step, epoch_time_so_far = (checkpoint["epoch"], checkpoint["step"],
+                                                          checkpoint["epoch_time_so_far"])
+            cumulative_time, history, streak = (checkpoint["cumulative_time"], checkpoint["history"],
+                                                checkpoint["streak"])
+            if is_main:
+                print(f"Resuming from {checkpoint_file}: epoch {start_epoch + 1}, step {start_step} of "
+                      f"{steps_per_epoch}, Cumulative Time = {cumulative_time:.3f}", flush=True)
+            if checkpoint["finished"]:
+                if is_main:
+                    print("Nothing to do: that run had already finished", flush=True)
+                return
+
+        def save_checkpoint(epoch: int, step: int, epoch_time_so_far: float, finished: bool = False) -> None:
+            """Rank 0 writes everything needed to continue at (epoch, step); all ranks wait for it."""
+            rng = {"torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                   "pipeline": train_set.generator.get_state() if on_device else None}
+            every_rng = [None] * world_size if is_main else None
+            dist.gather_object(rng, every_rng, dst=0)  # each rank's random state, collected on rank 0
+            ok = torch.ones(1, device=device)
+            if is_main:
+                state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(),
+                         "ema": eval_model.state_dict() if eval_model is not raw_model else None,
+                         "epoch": epoch, "step": step, "epoch_time_so_far": epoch_time_so_far,
+                         "cumulative_time": cumulative_time, "history": history, "streak": streak,
+                         "finished": finished, "rng": every_rng, "recipe": as_dict(recipe),
+                         "world_size": world_size, "model_width": args.model_width}
+                try:
+                    save_atomic(state, checkpoint_file,
+                                simulate_enospc=os.environ.get("CIFAR_WRN_TEST_ENOSPC_AT_EPOCH") == str(epoch))
+                except OSError as exc:
+                    print(f"error: could not write {checkpoint_file}: {exc.strerror or exc}; the previous "
+                          f"checkpoint is intact", file=sys.stderr, flush=True)
+                    ok.zero_()
+            dist.broadcast(ok, src=0)  # also the barrier: nobody goes on before the checkpoint is on disk
+            if not ok.item():
+                raise UserError(f"rank {rank}: stopping because the checkpoint could not be written")
+
+        log = JsonLog(args.log_json if is_main else None, append=start_epoch > 0 or start_step > 0)
         log.write(run_header(
             world_size=world_size, num_nodes=args.num_nodes, num_gpus=args.num_gpus, backend=backend,
             device=device.type, launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
             per_device_batch_size=per_device_batch_size, global_batch_size=global_batch_size, lr=lr,
             steps_per_epoch=steps_per_epoch, train_images=len(train_set), val_images=len(val_set),
             model_width=args.model_width, model_parameters=count_parameters(raw_model),
-            recipe=as_dict(recipe), argv=sys.argv))
+            recipe=as_dict(recipe), argv=sys.argv, resumed_at={"epoch": start_epoch + 1, "step": start_step}
+            if start_epoch or start_step else None))
         if is_main and args.model_width != COURSE_WIDTH:
             print(f"note: --model-width {args.model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
 
@@ -275,29 +365,54 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         fault_rank = os.environ.get("CIFAR_WRN_TEST_RAISE_IN_RANK")  # test-only fault injection
         if fault_rank is not None and int(fault_rank) == rank:
             raise RuntimeError(f"injected test fault in rank {rank}")
-        cumulative_time = 0.0  # training time only: validation is outside the clock
-        streak = 0  # consecutive epochs at or above the target accuracy
-        for epoch in range(recipe.epochs):
+        nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")  # test-only: "rank,epoch,step" gets a NaN loss
+        # After every step all ranks agree on two questions, so that they stop together at the same
+        # step: did any rank get a stop signal (slot 0), and which ranks saw a non-finite loss (1 + rank)?
+        step_flags = torch.zeros(1 + world_size, device=device)
+        for epoch in range(start_epoch, recipe.epochs):
             train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch, the same on every rank
+            train_batches.skip = start_step if epoch == start_epoch else 0
             model.train()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            for images, labels in train_loader:
+            for step, (images, labels) in enumerate(train_loader, start=train_batches.skip):
                 images = images.to(device, non_blocking=True, memory_format=memory_format)
                 labels = labels.to(device, non_blocking=True)
                 with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
                     loss = criterion(train_model(images), labels)
+                if nan_at == f"{rank},{epoch + 1},{step + 1}":
+                    loss = loss * float("nan")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
                 optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
+
+                step_flags.zero_()
+                step_flags[0] = float(stop_requested)
+                step_flags[1 + rank] = (~torch.isfinite(loss.detach())).float()
+                dist.all_reduce(step_flags, op=dist.ReduceOp.MAX)  # the same answer on every rank
+                if step_flags.any():
+                    bad_ranks = [r for r in range(world_size) if step_flags[1 + r] > 0]
+                    if bad_ranks:
+                        raise RunStopped(f"non-finite loss at epoch {epoch + 1}, step {step + 1} on rank(s) "
+                                         f"{', '.join(map(str, bad_ranks))}: training diverged (try a lower "
+                                         f"learning rate or a longer warmup); every rank stopped at this step", 1)
+                    if not checkpoint_file:
+                        raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; nothing saved "
+                                         f"(no --checkpoint-dir)", 1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    save_checkpoint(epoch, step + 1, epoch_time_so_far + time.perf_counter() - t0)
+                    raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written "
+                                     f"to {checkpoint_file}; rerun with --resume to continue", PREEMPTED_EXIT)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the clock stops when the GPU has finished, not when it was told
-            epoch_time = time.perf_counter() - t0
+            epoch_time = epoch_time_so_far + time.perf_counter() - t0  # training only: validation is outside
+            epoch_time_so_far = 0.0
             cumulative_time += epoch_time
 
             # R1.9: images/sec is a SUM over ranks: they work on different images at the same time.
@@ -322,10 +437,13 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if is_main:  # R1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # R1.10
             log.write({"kind": "epoch", **metrics})
+            history.append(metrics)
 
             # Every rank holds the same all-reduced accuracy, so every rank takes the same decision
             # and none is left waiting alone in a collective.
             streak = streak + 1 if val_accuracy >= recipe.target_accuracy else 0
+            if checkpoint_file:
+                save_checkpoint(epoch + 1, 0, 0.0, finished=streak >= recipe.patience)
             if streak >= recipe.patience:
                 if is_main:
                     print(f"Early stopping after epoch {epoch + 1}", flush=True)  # R1.10
@@ -344,6 +462,14 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         dist.destroy_process_group()  # R1.3
 
 
+class RunStopped(Exception):
+    """Every rank stops together at the same step; rank 0 prints why; all exit with `status`."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def run_process(local_rank: int, args, recipe) -> None:
     """train_process, with every failure reported by the rank it happened in, so nothing is lost
     whichever failed rank the launcher notices first: a UserError as one line (exit status 2),
@@ -351,16 +477,25 @@ def run_process(local_rank: int, args, recipe) -> None:
     _, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)
     try:
         train_process(local_rank, args, recipe)
+    except RunStopped as exc:
+        if rank == 0:
+            print(f"{'error: ' if exc.status == 1 else ''}{exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.status)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (dist.DistBackendError, dist.DistNetworkError) as exc:  # a collective broke: usually a peer died
-        print(f"error: rank {rank} lost contact with another process, which probably failed (see its error "
-              f"above or in its node's log): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+    except Exception as exc:
+        if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or any(
+                text in str(exc) for text in PEER_LOST):  # a collective broke: usually a peer died
+            print(f"error: rank {rank} lost contact with another process, which probably failed (see its error "
+                  f"above or in its node's log): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        print(f"error: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
+
+
+# What gloo and NCCL say when the process at the other end of a connection has gone away.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
@@ -378,8 +513,9 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
         args.num_nodes = int(os.environ["WORLD_SIZE"]) // args.num_gpus
         args.node_id = int(os.environ["RANK"]) // args.num_gpus
         args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
-    elif args.master_port is None and args.num_nodes == 1:
-        args.master_port = free_port()
+    elif args.num_nodes == 1:  # a single node can meet at home, on any free port
+        args.master_addr = args.master_addr or "127.0.0.1"
+        args.master_port = free_port() if args.master_port is None else args.master_port
     check_launch(args, cuda_count)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
@@ -396,8 +532,22 @@ if __name__ == "__main__":
         run_process(int(os.environ["LOCAL_RANK"]), args, recipe)
         sys.exit(0)
     # R1.11: start one process per GPU on this node; each runs run_process(local_rank, args, recipe).
+    # A stop request to this launcher (Slurm's SIGUSR1 or SIGTERM) is passed on to the ranks as SIGUSR1,
+    # so that they can agree on a step, write a checkpoint and exit with PREEMPTED_EXIT.
+    ranks = []
+
+    def pass_on_stop(signum, frame):
+        for process in ranks:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, pass_on_stop)
+    signal.signal(signal.SIGTERM, pass_on_stop)
     try:
-        mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=True)  # R1.11
+        context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
+        ranks.extend(context.processes)
+        while not context.join():
+            pass
     except mp.ProcessExitedException as exc:  # a rank ended with an error; mp.spawn has stopped the others
         if exc.signal_name:  # killed (the OOM killer, say): it could not report anything itself
             _, failed = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, exc.error_index)

@@ -8,12 +8,13 @@ dicts with `data` uint8 [N, 3072], rows CHW-planar, and `labels`) with pickle di
 copy in that layout loads, including the offline JPEG copy whose bytes differ from the official
 release (torchvision.datasets.CIFAR10 would refuse it on its md5 check).
 """
+import itertools
 import os
 import pickle
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
 from .errors import UserError
@@ -131,6 +132,21 @@ class CIFAR10(Dataset):
 
     def __getitem__(self, index: int):
         return self.transform(self.images[index]), self.labels[index]
+
+
+class SkipFirst(Sampler):
+    """The batches of a BatchSampler, less the first `skip` of them. A run resumed in the middle of an
+    epoch sets `skip` to the steps already trained; since the DistributedSampler's order depends only
+    on its seed and epoch, the remaining batches are exactly those the interrupted run would have used."""
+
+    def __init__(self, batches):
+        self.batches, self.skip = batches, 0
+
+    def __iter__(self):
+        return itertools.islice(iter(self.batches), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.batches) - self.skip
 
 
 def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:

@@ -38,8 +38,8 @@ def run_header(**fields) -> dict:
 class JsonLog:
     """One JSON object per line, flushed at once, so a crash loses nothing already written."""
 
-    def __init__(self, path):
-        self.file = open(path, "w") if path else None
+    def __init__(self, path, append: bool = False):
+        self.file = open(path, "a" if append else "w") if path else None
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -55,4 +55,8 @@ def read_log(path) -> tuple[dict, list[dict]]:
     """(header, epoch records) of a JSON-lines log."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     header = next((r for r in records if r.get("kind") == "header"), {})
-    return header, [r for r in records if r.get("kind") == "epoch"]
+    epochs = {}  # a resumed run appends: a repeated epoch number is the later (resumed) record
+    for r in records:
+        if r.get("kind") == "epoch":
+            epochs[r["epoch"]] = r
+    return header, [epochs[k] for k in sorted(epochs)]

@@ -55,13 +55,14 @@ def resolve(*flags, cuda=0, monkeypatch=None):
     (["--epochs", 0], "epochs must be >= 1"),
     (["--master-port", 70000], "--master-port must be in 1-65535"),
     (["--master-port", 0], "--master-port must be in 1-65535"),
-    (["--num-nodes", 2], "--master-port .* is required with more than one node"),
+    (["--num-nodes", 2], "--master-addr .* is required with more than one node"),
+    (["--num-nodes", 2, "--master-addr", "node0"], "--master-port .* is required with more than one node"),
     (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
     (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
     (["--recipe", "nonesuch"], "recipe 'nonesuch' not found"),
 ])
 def test_bad_launches_are_refused(flags, message, monkeypatch):
-    for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(UserError, match=message):
         resolve("--device", "cpu", *flags) if "--device" not in flags else resolve(*flags)
@@ -185,7 +186,8 @@ def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
 
 def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     port = free_port()
-    result = run_raw("--num-nodes", 2, "--node-id", 0, "--num-gpus", 1, "--master-port", port, "--dist-timeout", 5,
+    result = run_raw("--num-nodes", 2, "--node-id", 0, "--num-gpus", 1, "--master-addr", "127.0.0.1",
+                     "--master-port", port, "--dist-timeout", 5,
                      *TINY, *data_flags(cifar_dir), timeout=90)
     assert result.returncode == 2
     assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr

@@ -1,0 +1,77 @@
+"""Images/sec of the two data pipelines with the same augmentation, device and thread count.
+
+    python bench/data_pipeline.py [--data-dir data] [--device cpu|cuda] [--threads N] [--batch-size 256]
+
+baseline: DataLoader over cifar_wrn.data.CIFAR10 (per-image RandomCrop + flip + normalise, collated);
+          num_workers=0 on CPU (workers would take the same cores), --workers on GPU.
+device:   cifar_wrn.data.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
+          the whole uint8 set on the device, one batched crop/flip/normalise per step.
+Both produce normalised float batches on --device; the ratio is device / baseline from the same run.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cifar_wrn.data import CIFAR10, DeviceBatches, dataset_present, load_split  # noqa: E402
+
+
+def images_per_sec(loader, device, batches: int) -> float:
+    it = iter(loader)
+    next(it)  # warm-up: worker start, first allocation
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        x, y = next(it)
+        x = x.to(device, non_blocking=True)
+        n += len(y)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="data", help="CIFAR-10 folder; random images when it is missing")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--workers", type=int, default=4, help="DataLoader workers for the baseline on GPU")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if dataset_present(args.data_dir):
+        images, labels = load_split(args.data_dir, train=True)
+        source = f"CIFAR-10 train split from {args.data_dir}"
+    else:
+        images = torch.randint(0, 256, (50_000, 3, 32, 32), dtype=torch.uint8)
+        labels = torch.randint(0, 10, (50_000,))
+        source = "random uint8 images (no data dir)"
+    workers = args.workers if device.type == "cuda" else 0
+    baseline = DataLoader(CIFAR10(images, labels, augment=True), batch_size=args.batch_size, shuffle=True,
+                          drop_last=True, num_workers=workers, pin_memory=device.type == "cuda",
+                          persistent_workers=workers > 0)
+    on_device = DeviceBatches(images, labels, device, augment=True, seed=0)
+    fast = DataLoader(on_device, batch_size=None,
+                      sampler=BatchSampler(RandomSampler(on_device), args.batch_size, drop_last=True))
+    print(f"# data pipeline: {source}; device {device}, {args.threads} threads, batch {args.batch_size}, "
+          f"{args.batches} batches x {args.repeats} repeats (best of each)")
+    rates = {"baseline": 0.0, "device": 0.0}
+    for _ in range(args.repeats):  # interleaved, so that machine noise hits both alike
+        rates["baseline"] = max(rates["baseline"], images_per_sec(baseline, device, args.batches))
+        rates["device"] = max(rates["device"], images_per_sec(fast, device, args.batches))
+    print(f"baseline DataLoader   {rates['baseline']:12.0f} images/sec")
+    print(f"on-device pipeline    {rates['device']:12.0f} images/sec")
+    print(f"ratio device/baseline {rates['device'] / rates['baseline']:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
