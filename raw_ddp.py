@@ -24,6 +24,7 @@ Launch:
 """
 # ============================================================================ setup
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -45,6 +46,7 @@ from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoin
 from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
 from cifar_wrn.errors import UserError
+from cifar_wrn.profiling import PhaseTimer, profile_table
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
 from cifar_wrn.recipe import (as_dict, build_optimizer, build_scheduler, load_recipe, parse_set, scaled_lr)
 from cifar_wrn.runlog import JsonLog, epoch_line, run_header
@@ -88,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt; fail if there is none")
     p.add_argument("--auto-resume", action="store_true",
                    help="continue from DIR/checkpoint.pt if it exists, else start fresh (for requeued jobs)")
+    p.add_argument("--profile", action="store_true",
+                   help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
     p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
                    help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
                         f"in a real run)")
@@ -369,6 +374,15 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         # After every step all ranks agree on two questions, so that they stop together at the same
         # step: did any rank get a stop signal (slot 0), and which ranks saw a non-finite loss (1 + rank)?
         step_flags = torch.zeros(1 + world_size, device=device)
+        timer = PhaseTimer(device, enabled=args.profile)  # --profile: where the epoch's time goes
+        tracer = torch.profiler.profile(  # --trace: every kernel of a few steps, for TensorBoard or Perfetto
+            activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
+            schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(args.trace, worker_name=f"rank{rank}"),
+        ) if args.trace else None
+        if tracer:
+            tracer.start()
         for epoch in range(start_epoch, recipe.epochs):
             train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch, the same on every rank
             train_batches.skip = start_step if epoch == start_epoch else 0
@@ -376,17 +390,22 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
+            timer.start()
             for step, (images, labels) in enumerate(train_loader, start=train_batches.skip):
                 images = images.to(device, non_blocking=True, memory_format=memory_format)
                 labels = labels.to(device, non_blocking=True)
+                timer.mark("data")
                 with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
                     loss = criterion(train_model(images), labels)
                 if nan_at == f"{rank},{epoch + 1},{step + 1}":
                     loss = loss * float("nan")
+                timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
+                timer.mark("backward")
                 optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
+                timer.mark("optimizer")
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
@@ -409,11 +428,21 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                     save_checkpoint(epoch, step + 1, epoch_time_so_far + time.perf_counter() - t0)
                     raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written "
                                      f"to {checkpoint_file}; rerun with --resume to continue", PREEMPTED_EXIT)
+                timer.mark("other")
+                if tracer:
+                    tracer.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the clock stops when the GPU has finished, not when it was told
             epoch_time = epoch_time_so_far + time.perf_counter() - t0  # training only: validation is outside
             epoch_time_so_far = 0.0
             cumulative_time += epoch_time
+            if tracer:
+                tracer.stop()
+                tracer = None
+            profile = timer.totals()  # {} unless --profile
+            if args.profile:  # outside the epoch's clock: a few extra backward passes on the last batch
+                comm_estimate = allreduce_cost(model, raw_model, images, labels, criterion, autocast_dtype,
+                                               device) * (steps_per_epoch - train_batches.skip)
 
             # R1.9: images/sec is a SUM over ranks: they work on different images at the same time.
             images_per_sec = torch.tensor([steps_per_epoch * per_device_batch_size / epoch_time],
@@ -436,7 +465,12 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                        "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
             if is_main:  # R1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # R1.10
-            log.write({"kind": "epoch", **metrics})
+            if args.profile:
+                if is_main:
+                    print(profile_table(profile, epoch_time, comm_estimate, epoch + 1), flush=True)
+                log.write({"kind": "epoch", **metrics, "profile": profile, "comm_estimate": comm_estimate})
+            else:
+                log.write({"kind": "epoch", **metrics})
             history.append(metrics)
 
             # Every rank holds the same all-reduced accuracy, so every rank takes the same decision
@@ -460,6 +494,41 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         log.close()
     finally:
         dist.destroy_process_group()  # R1.3
+
+
+def allreduce_cost(model: DDP, raw_model, images, labels, criterion, autocast_dtype, device, repeats: int = 3) -> float:
+    """Seconds per step that gradient synchronisation adds to backward (--profile): the same batch's
+    backward timed with DDP's all-reduce and inside model.no_sync() (no all-reduce). All ranks must
+    call it together. BatchNorm statistics, random state and gradients are put back as they were."""
+    buffers = [b.clone() for b in raw_model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def backward_seconds(sync: bool) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            with contextlib.nullcontext() if sync else model.no_sync():  # no_sync: forward and backward inside
+                with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                                    enabled=autocast_dtype is not None):
+                    loss = criterion(model(images), labels)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                loss.backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        return best
+
+    cost = backward_seconds(sync=True) - backward_seconds(sync=False)
+    with torch.no_grad():
+        for saved, buffer in zip(buffers, raw_model.buffers()):
+            buffer.copy_(saved)
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state(cuda_rng, device)
+    return max(cost, 0.0)
 
 
 class RunStopped(Exception):

@@ -1,0 +1,60 @@
+"""Where an epoch's training time goes: data, forward, backward, optimizer, other.
+
+PhaseTimer puts a timestamp at each phase boundary of every step. On CUDA the timestamps are events
+on the GPU's stream (so a phase is what the GPU timeline spent on it, host waits included, with no
+synchronisation until the epoch ends); on the CPU they are perf_counter readings (CPU work is
+synchronous; DDP's backward returns only after its all-reduce has finished). When profiling is off
+the timer is disabled and each call returns at once.
+"""
+import time
+
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer", "other")
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled, self.cuda = enabled, device.type == "cuda"
+        self.marks = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.enabled:
+            self.marks = [(None, self._now())]
+
+    def mark(self, phase: str) -> None:
+        """The phase that has just ended (the time since the previous mark belongs to it)."""
+        if self.enabled:
+            self.marks.append((phase, self._now()))
+
+    def totals(self) -> dict:
+        """Seconds per phase since start(); synchronises the GPU once."""
+        if not self.enabled:
+            return {}
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = dict.fromkeys(PHASES, 0.0)
+        for (_, before), (phase, after) in zip(self.marks, self.marks[1:]):
+            out[phase] += before.elapsed_time(after) / 1000 if self.cuda else after - before
+        return out
+
+
+def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None, epoch: int) -> str:
+    """Rank 0's per-epoch table: seconds and share of the epoch per phase, their sum, the all-reduce estimate."""
+    names = {"data": "data (waiting for the next batch)", "forward": "forward", "backward": "backward (+ overlapped all-reduce)",
+             "optimizer": "optimizer step", "other": "other (LR, EMA, step agreement)"}
+    lines = [f"  Profile of epoch {epoch} (rank 0)          seconds   share"]
+    for phase in PHASES:
+        lines.append(f"    {names[phase]:36s}{profile[phase]:8.3f}  {100 * profile[phase] / epoch_time:5.1f}%")
+    total = sum(profile[p] for p in PHASES)
+    lines.append(f"    {'sum of the parts / epoch time':36s}{total:8.3f}  {100 * total / epoch_time:5.1f}%")
+    if comm_estimate is not None:
+        lines.append(f"    {'all-reduce cost estimate (no_sync)':36s}{comm_estimate:8.3f}  {100 * comm_estimate / epoch_time:5.1f}%")
+    return "\n".join(lines)
