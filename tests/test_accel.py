@@ -1,0 +1,246 @@
+"""accel_train.py as users run it: `accelerate launch` (and torchrun) with 2 gloo CPU processes, tiny models,
+hard timeouts (conftest.start/finish: a new session per launch, the whole group killed on timeout).
+
+Parity with raw_ddp.py is statistical, not bitwise: the two trainers start from the same weights (the same
+seed before WideResNet()) and use the same recipe, LR, batch sizes and steps, but they deal the images out
+differently. raw_ddp.py gives rank r every W-th image of a DistributedSampler permutation (seed + epoch);
+Accelerate cuts a SeedableRandomSampler permutation (seed + epoch, a different generator call) into batches
+and gives rank r every W-th batch. So the batches, and through them BatchNorm statistics, augmentation and
+dropout draws, differ. Measured with exactly this setup for seeds 0, 1, 2 (6 epochs, 640 training and 301
+validation images): the mean validation loss over the 6 epochs differs by <= 2.0 % between the trainers,
+while changing the seed moves it by up to 14 % (1.30 to 1.48); the last epoch's accuracy differs by up to
+0.13, its mean over the epochs by <= 0.03. The tolerances below (5 % and 0.08) sit between those.
+"""
+import dataclasses
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import accel_train
+from cifar_wrn.data import CIFAR10, load_split
+from cifar_wrn.errors import UserError
+from cifar_wrn.model import WideResNet
+from cifar_wrn.recipe import Recipe, load_recipe
+from cifar_wrn.runlog import read_log
+from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, write_cifar
+
+TIMEOUT = 240  # seconds per launch; the group is killed after that
+CONFIGS = REPO / "accelerate_configs"
+EPOCH_LINE = re.compile(r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+TINY = ["--model-width", "4", "--set", "eval_batch_size=16"]  # 16: several validation batches and a remainder
+
+# The parity data: conftest's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
+PARITY_TRAIN, PARITY_VAL, PARITY_EPOCHS = 640, 301, 6
+
+
+def accel_env(**extra) -> dict:
+    """cpu_env without any ACCELERATE_* variable of the caller's shell (they change how Accelerate starts)."""
+    env = {k: v for k, v in cpu_env().items() if not k.startswith("ACCELERATE_")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def accelerate_launch(config, *flags, launch_flags=(), env=None):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+           "--main_process_port", free_port(), *launch_flags, "accel_train.py", *flags]
+    return finish(start(cmd, env=env or accel_env()), TIMEOUT)
+
+
+def data_flags(data_dir, train=TRAIN_IMAGES, val=VAL_IMAGES):
+    return ["--data-dir", data_dir, "--train-subset", train, "--val-subset", val]
+
+
+def banners(path: Path) -> list[str]:
+    return re.findall(r"^\s*# =+ (\w+)\s*$", path.read_text(), re.M)
+
+
+# ----------------------------------------------------------------------------- without processes
+
+def test_banner_sections_match_raw_ddp():
+    """accel_train.py mirrors raw_ddp.py section by section, so that the two diff cleanly."""
+    assert banners(REPO / "raw_ddp.py") == ["setup", "data", "model", "train", "evaluate", "teardown"]
+    assert banners(REPO / "accel_train.py") == banners(REPO / "raw_ddp.py")
+
+
+def test_every_required_step_has_an_accelerate_counterpart():
+    raw = {int(n) for n in re.findall(r"# R1\.(\d+)", (REPO / "raw_ddp.py").read_text())}
+    accel = {int(n) for n in re.findall(r"# A1\.(\d+)", (REPO / "accel_train.py").read_text())}
+    assert accel == raw == set(range(1, 12))
+    doc = (REPO / "docs" / "accelerate.md").read_text()
+    assert all(f"R1.{n}" in doc for n in range(1, 12))
+
+
+def test_launch_bf16_overrides_recipe_and_other_precisions_are_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args, recipe = accel_train.resolve(accel_train.parse_args([]))
+    assert recipe.precision == "bf16" and "overrides the recipe's precision fp32" in args.precision_note
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch's default: the recipe decides
+    args, recipe = accel_train.resolve(accel_train.parse_args(["--set", "precision=bf16"]))
+    assert recipe.precision == "bf16" and args.precision_note is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(UserError, match="mixed precision 'fp16'"):
+        accel_train.resolve(accel_train.parse_args([]))
+
+
+@dataclasses.dataclass
+class ExtendedRecipe(Recipe):  # a recipe key raw_ddp.py might have and accel_train.py does not
+    fancy_trick: bool = False
+
+
+def test_recipe_keys_this_trainer_lacks_are_refused():
+    accel_train.check_recipe_supported(load_recipe("baseline"))
+    accel_train.check_recipe_supported(ExtendedRecipe())  # the extra key at its default: fine
+    with pytest.raises(UserError, match=r"fancy_trick=True are not implemented by accel_train.py"):
+        accel_train.check_recipe_supported(ExtendedRecipe(fancy_trick=True))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "epochs must be >= 1"),
+    (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
+    (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
+])
+def test_bad_flags_are_user_errors(flags, message, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    with pytest.raises(UserError, match=message):
+        accel_train.resolve(accel_train.parse_args(flags))
+
+
+# ----------------------------------------------------------------------------- 2 CPU processes
+
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory) -> Path:
+    return write_cifar(tmp_path_factory.mktemp("parity"), per_train_file=PARITY_TRAIN // 5, val_images=PARITY_VAL)
+
+
+def parity_flags(data_dir, log):
+    return [*data_flags(data_dir, PARITY_TRAIN, PARITY_VAL), *TINY, "--epochs", PARITY_EPOCHS, "--seed", 0,
+            "--log-json", log]
+
+
+@pytest.fixture(scope="module")
+def accel_run(parity_dir, tmp_path_factory):
+    """The documented CPU launch: accelerate launch --config_file two_cpus.yaml accel_train.py --cpu ..."""
+    out = tmp_path_factory.mktemp("accel")
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *parity_flags(parity_dir, out / "log.jsonl"),
+                               "--save", out / "w.pt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, *read_log(out / "log.jsonl"), out / "w.pt"
+
+
+def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
+    result, header, epochs, weights = accel_run
+    assert header["world_size"] == 2 and header["backend"] == "gloo" and header["device"] == "cpu"
+    assert header["launcher"] == "accelerate launch" and header["distributed_type"] == "MULTI_CPU"
+    assert header["global_batch_size"] == 2 * header["per_device_batch_size"] == 64
+    assert header["steps_per_epoch"] == PARITY_TRAIN // 64
+    assert [e["epoch"] for e in epochs] == list(range(1, PARITY_EPOCHS + 1))
+    # one epoch line per epoch: the main process prints, the other one does not
+    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs]
+    assert all(e["cumulative_time"] == pytest.approx(sum(x["epoch_time"] for x in epochs[:i + 1]))
+               for i, e in enumerate(epochs))
+
+    # --save: a plain state_dict that loads into WideResNet and reproduces the last logged metrics exactly
+    # (every validation image counted once: no padding repeats, rank 0's BatchNorm statistics).
+    model = WideResNet(width=4)
+    model.load_state_dict(torch.load(weights))
+    model.eval()
+    loader = DataLoader(CIFAR10(*load_split(parity_dir, train=False, subset=PARITY_VAL), augment=False),
+                        batch_size=64)
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for images, labels in loader:
+            logits = model(images)
+            loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(1) == labels).sum().item()
+    assert epochs[-1]["val_loss"] == pytest.approx(loss_sum / PARITY_VAL, rel=1e-4)
+    assert abs(epochs[-1]["val_accuracy"] * PARITY_VAL - correct) <= 1  # allow one near-tie argmax
+    assert epochs[-1]["val_accuracy"] * PARITY_VAL == pytest.approx(round(epochs[-1]["val_accuracy"] * PARITY_VAL),
+                                                                    abs=1e-6)  # a count out of 301, not 302
+
+
+def test_parity_with_raw_ddp(accel_run, parity_dir, tmp_path):
+    _, header, epochs, _ = accel_run
+    cmd = [sys.executable, "raw_ddp.py", "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--device", "cpu",
+           *parity_flags(parity_dir, tmp_path / "raw.jsonl")]
+    raw = finish(start(cmd, env=cpu_env()), TIMEOUT)
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    raw_header, raw_epochs = read_log(tmp_path / "raw.jsonl")
+
+    # The same run, by every number the two trainers compute before training:
+    same = ("world_size", "per_device_batch_size", "global_batch_size", "lr", "steps_per_epoch", "train_images",
+            "val_images", "model_parameters")
+    assert {k: header[k] for k in same} == {k: raw_header[k] for k in same}
+    assert header["recipe"] == raw_header["recipe"]
+    assert len(epochs) == len(raw_epochs) == PARITY_EPOCHS
+
+    # ... and the same learning, within the tolerances measured in the module docstring.
+    mean = lambda records, key: sum(r[key] for r in records) / len(records)
+    assert raw_epochs[-1]["val_loss"] < 0.5 * math.log(10) and epochs[-1]["val_loss"] < 0.5 * math.log(10)
+    assert mean(epochs, "val_loss") == pytest.approx(mean(raw_epochs, "val_loss"), rel=0.05)
+    assert mean(epochs, "val_accuracy") == pytest.approx(mean(raw_epochs, "val_accuracy"), abs=0.08)
+
+
+def test_environment_form_and_bf16_from_the_launch_config(cifar_dir, tmp_path):
+    """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config: 2 CPU processes, bf16 autocast, noted in the log."""
+    result = accelerate_launch(CONFIGS / "two_gpus.yaml", *data_flags(cifar_dir), *TINY, "--epochs", 1,
+                               "--log-json", tmp_path / "log.jsonl", env=accel_env(ACCELERATE_USE_CPU=1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, epochs = read_log(tmp_path / "log.jsonl")
+    assert header["world_size"] == 2 and header["mixed_precision"] == "bf16"
+    assert header["recipe"]["precision"] == "bf16"
+    assert "note: mixed_precision bf16 from the accelerate launch overrides" in result.stdout
+    assert len(EPOCH_LINE.findall(result.stdout)) == len(epochs) == 1
+
+
+def test_torchrun_launch(cifar_dir, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
+           "accel_train.py", *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", tmp_path / "log.jsonl"]
+    result = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, epochs = read_log(tmp_path / "log.jsonl")
+    assert header["world_size"] == 2 and header["launcher"] == "torchrun" and len(epochs) == 1
+
+
+# ----------------------------------------------------------------------------- wrong launches fail clearly
+
+def assert_refused(result, message, log: Path):
+    assert result.returncode != 0
+    assert re.search(r"^error: " + message, result.stderr, re.M), result.stderr[-3000:]
+    assert 'accel_train.py", line' not in result.stderr  # our message, no traceback through our code
+    assert not EPOCH_LINE.search(result.stdout) and not log.exists()  # nobody trained
+
+
+def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_is_refused(cifar_dir, tmp_path):
+    """The trap: `use_cpu: true` does not reach MULTI_GPU processes; without CUDA each would train alone."""
+    config = tmp_path / "use_cpu.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
+                      "mixed_precision: 'no'\n")
+    log = tmp_path / "log.jsonl"
+    result = accelerate_launch(config, *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log)
+    assert_refused(result, r"the launcher started 2 processes \(WORLD_SIZE=2\) but Accelerate sees 1", log)
+    assert result.stderr.count("error: the launcher started 2 processes") == 2  # each process says so
+
+
+def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
+    """The trap: `accelerate launch --cpu --num_processes 2` starts one process."""
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", 2, "--num_machines", 1,
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port(),
+           "accel_train.py", *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log]
+    result = finish(start(cmd, env=accel_env()), TIMEOUT)
+    assert_refused(result, "accelerate launch was asked for several processes but started only this one", log)
+
+
+def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
+    """One rank crashes: the launcher stops the other one; nothing is left waiting in a collective."""
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--epochs", 1,
+                               env=accel_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1))
+    assert result.returncode != 0 and "error: rank 1 failed" in result.stderr
+    assert "injected test fault in rank 1" in result.stderr
+    assert not EPOCH_LINE.search(result.stdout)
