@@ -103,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
 # passes SIGUSR1 to its ranks; each rank sets this flag, and at the next step all ranks agree (MAX over
 # ranks), rank 0 writes a checkpoint and every rank exits with PREEMPTED_EXIT: "requeue me".
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a temporary failure, try again
+CHECK_EVERY = 10  # steps between agreements on stop signals and non-finite losses (each costs a GPU sync)
 stop_requested = False
 
 
@@ -371,8 +372,10 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if fault_rank is not None and int(fault_rank) == rank:
             raise RuntimeError(f"injected test fault in rank {rank}")
         nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")  # test-only: "rank,epoch,step" gets a NaN loss
-        # After every step all ranks agree on two questions, so that they stop together at the same
-        # step: did any rank get a stop signal (slot 0), and which ranks saw a non-finite loss (1 + rank)?
+        # Every CHECK_EVERY steps, and at the end of each epoch, all ranks agree on two questions so that
+        # they stop together at the same step: did any rank get a stop signal (slot 0), and at which step
+        # did each rank first see a non-finite loss (slot 1 + rank, 0 = never)? Between checks the flags
+        # only accumulate on the device, so the host never waits for the GPU.
         step_flags = torch.zeros(1 + world_size, device=device)
         timer = PhaseTimer(device, enabled=args.profile)  # --profile: where the epoch's time goes
         tracer = torch.profiler.profile(  # --trace: every kernel of a few steps, for TensorBoard or Perfetto
@@ -410,24 +413,27 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
 
-                step_flags.zero_()
-                step_flags[0] = float(stop_requested)
-                step_flags[1 + rank] = (~torch.isfinite(loss.detach())).float()
-                dist.all_reduce(step_flags, op=dist.ReduceOp.MAX)  # the same answer on every rank
-                if step_flags.any():
-                    bad_ranks = [r for r in range(world_size) if step_flags[1 + r] > 0]
-                    if bad_ranks:
-                        raise RunStopped(f"non-finite loss at epoch {epoch + 1}, step {step + 1} on rank(s) "
-                                         f"{', '.join(map(str, bad_ranks))}: training diverged (try a lower "
-                                         f"learning rate or a longer warmup); every rank stopped at this step", 1)
-                    if not checkpoint_file:
-                        raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; nothing saved "
-                                         f"(no --checkpoint-dir)", 1)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    save_checkpoint(epoch, step + 1, epoch_time_so_far + time.perf_counter() - t0)
-                    raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written "
-                                     f"to {checkpoint_file}; rerun with --resume to continue", PREEMPTED_EXIT)
+                first_bad = step_flags[1 + rank]
+                step_flags[1 + rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1,
+                                                   first_bad)
+                if (step + 1) % CHECK_EVERY == 0 or step + 1 == steps_per_epoch:
+                    step_flags[0] = float(stop_requested)
+                    dist.all_reduce(step_flags, op=dist.ReduceOp.MAX)  # the same answer on every rank
+                    if step_flags.any():
+                        bad = {r: int(step_flags[1 + r]) for r in range(world_size) if step_flags[1 + r] > 0}
+                        if bad:
+                            raise RunStopped(f"non-finite loss in epoch {epoch + 1} on rank(s) "
+                                             f"{', '.join(f'{r} (first at step {s})' for r, s in bad.items())}: "
+                                             f"training diverged (try a lower learning rate or a longer warmup); "
+                                             f"every rank stopped at step {step + 1}", 1)
+                        if not checkpoint_file:
+                            raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; nothing saved "
+                                             f"(no --checkpoint-dir)", 1)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        save_checkpoint(epoch, step + 1, epoch_time_so_far + time.perf_counter() - t0)
+                        raise RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written "
+                                         f"to {checkpoint_file}; rerun with --resume to continue", PREEMPTED_EXIT)
                 timer.mark("other")
                 if tracer:
                     tracer.step()

@@ -112,7 +112,8 @@ def test_sigusr1_to_the_launcher_checkpoints_and_requeues(cifar_dir, tmp_path):
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     assert "stopped by a signal at epoch 2, step" in result.stderr and "Traceback" not in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
-    assert (checkpoint["epoch"], checkpoint["finished"]) == (1, False) and 0 < checkpoint["step"] < 40  # mid-epoch
+    assert (checkpoint["epoch"], checkpoint["finished"]) == (1, False) and 0 < checkpoint["step"] <= 40  # in epoch 2
+    assert checkpoint["step"] % 10 == 0  # ranks agree every CHECK_EVERY = 10 steps (40 is also the epoch's end)
     resumed = run_raw(*flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json", tmp_path / "l.jsonl"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"Resuming from {tmp_path / 'ck' / 'checkpoint.pt'}: epoch 2, step {checkpoint['step']}" in resumed.stdout
@@ -151,7 +152,12 @@ def test_rank_that_raises_ends_the_run_promptly(cifar_dir):
 def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     result = run_raw(*flags(cifar_dir, "--epochs", 2), env=cpu_env(CIFAR_WRN_TEST_NAN_AT="1,1,3"), timeout=90)
     assert result.returncode == 1
-    assert result.stderr.count("non-finite loss at epoch 1, step 3 on rank(s) 1") == 1  # rank 0 reports once
+    # rank 1's loss is NaN at step 3; the ranks agree at the epoch's last step (5: 160 images per rank,
+    # 32 per step; before CHECK_EVERY) and rank 0 reports once
+    # (rank 0 follows at step 4: the all-reduce spreads rank 1's NaN gradients into its weights)
+    assert result.stderr.count("error: non-finite loss in epoch 1 on rank(s) ") == 1
+    assert "1 (first at step 3)" in result.stderr and "0 (first at step 4)" in result.stderr
+    assert "every rank stopped at step 5" in result.stderr
     # had the ranks stopped at different steps, one would be left in a collective and report lost contact
     assert "lost contact" not in result.stderr and "Traceback" not in result.stderr
     assert "Epoch = " not in result.stdout
