@@ -43,7 +43,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoint, resume_problem, save_atomic
-from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate, how_to_provide, load_split,
+from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, ignore_stop_signal, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
 from cifar_wrn.errors import UserError
 from cifar_wrn.profiling import PhaseTimer, profile_table
@@ -259,7 +259,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             # Worker processes feed a GPU; on a CPU run they would only take cores from training.
             num_workers = recipe.num_workers if device.type == "cuda" else 0
             loader_options = dict(num_workers=num_workers, pin_memory=device.type == "cuda",
-                                  persistent_workers=num_workers > 0)
+                                  persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signal)
             train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options)  # R1.5
             val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options)  # R1.5
         steps_per_epoch = len(train_batches.batches)

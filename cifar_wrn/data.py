@@ -149,6 +149,13 @@ class SkipFirst(Sampler):
         return len(self.batches) - self.skip
 
 
+def ignore_stop_signal(worker_id: int) -> None:
+    """DataLoader worker_init_fn: a stop request (SIGUSR1, which srun sends to every process of a job
+    step) is for the training ranks, not for their loader workers, which would die of it."""
+    import signal
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
     """True for this rank's samples that are real, False for DistributedSampler's padding.
 

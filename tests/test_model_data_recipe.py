@@ -182,3 +182,24 @@ def test_linear_lr_scaling_and_schedule():
         sched.step()
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)   # 5 warmup steps
     assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+class SignalsItself(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGUSR1)  # what srun does to every process on a stop request
+        return i
+
+
+def test_loader_workers_survive_a_stop_signal():
+    from cifar_wrn.data import ignore_stop_signal
+    loader = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1,
+                                         worker_init_fn=ignore_stop_signal, multiprocessing_context="spawn")
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    bare = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
+        list(bare)  # without it the worker dies: the test can fail
