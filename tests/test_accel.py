@@ -14,15 +14,19 @@ while changing the seed moves it by up to 14 % (1.30 to 1.48); the last epoch's 
 import dataclasses
 import math
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
 import accel_train
-from cifar_wrn.data import CIFAR10, load_split
+from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
+from cifar_wrn.profiling import PHASES
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
@@ -244,3 +248,201 @@ def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     assert result.returncode != 0 and "error: rank 1 failed" in result.stderr
     assert "injected test fault in rank 1" in result.stderr
     assert not EPOCH_LINE.search(result.stdout)
+
+
+# ----------------------------------------------------------------------------- every recipe key (issue 5)
+
+def test_every_recipe_key_is_implemented():
+    assert accel_train.SUPPORTED_RECIPE_KEYS == {f.name for f in dataclasses.fields(Recipe)}
+    accel_train.check_recipe_supported(load_recipe("fast"))
+
+
+def test_sync_bn_on_cpu_is_refused(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    with pytest.raises(UserError, match="sync_bn needs CUDA"):
+        accel_train.resolve(accel_train.parse_args(["--cpu", "--set", "sync_bn=true"]))
+
+
+def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
+    """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
+    bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
+    graph, bf16 gradient compression and flip TTA; the reported metrics equal a single-process evaluation of the
+    saved (EMA) weights."""
+    options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
+               "tta_flip=true"]
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--recipe", "fast",
+                               "--batch-size", 32, "--epochs", 2, *[a for o in options for a in ("--set", o)],
+                               "--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl")
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, epochs = read_log(tmp_path / "log.jsonl")
+    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
+    assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
+    assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
+    model = WideResNet(width=4)
+    model.load_state_dict(torch.load(tmp_path / "w.pt"))
+    val = DeviceBatches(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), "cpu", augment=False)
+    loader = DataLoader(val, batch_size=None, sampler=BatchSampler(range(VAL_IMAGES), 50, drop_last=False))
+    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"),
+                      torch.bfloat16, tta_flip=True)
+    assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
+    assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
+
+
+# ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
+
+def reliability_flags(data_dir, *extra):
+    return ["--cpu", *data_flags(data_dir), *TINY, "--dist-timeout", 60, *extra]
+
+
+def test_resume_needs_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    with pytest.raises(UserError, match="--resume: no checkpoint in"):
+        accel_train.resolve(accel_train.parse_args(["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]))
+    with pytest.raises(UserError, match="need --checkpoint-dir"):
+        accel_train.resolve(accel_train.parse_args(["--auto-resume"]))
+
+
+def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_dir, tmp_path):
+    launch = lambda *flags, env=None: accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *flags),
+                                                        env=env)
+    straight = launch("--epochs", 3, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ck = tmp_path / "ck"
+    first = launch("--epochs", 2, "--checkpoint-dir", ck, "--log-json", tmp_path / "b.jsonl")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == ["LATEST", "state-2"]  # one checkpoint, nothing half-written
+    second = launch("--epochs", 3, "--checkpoint-dir", ck, "--resume", "--save", tmp_path / "b.pt",
+                    "--log-json", tmp_path / "b.jsonl")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Resuming from {ck / 'state-2'}: epoch 3, step 0" in second.stdout
+    assert [int(n) for n in EPOCH_LINE.findall(second.stdout)] == [3]
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # identical weights
+    (_, ea), (_, eb) = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
+    assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == \
+           [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb]  # identical per-epoch metrics
+    assert eb[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in eb))
+    assert (ck / "LATEST").read_text().strip() == "state-3"
+
+    other = launch("--epochs", 4, "--checkpoint-dir", ck, "--resume", "--set", "momentum=0.5")
+    assert other.returncode != 0 and "error: cannot resume from" in other.stderr
+    assert "momentum (0.0 -> 0.5)" in other.stderr and 'accel_train.py", line' not in other.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 1, "--master_port", free_port(),
+           "accel_train.py", *reliability_flags(cifar_dir, "--epochs", 4, "--checkpoint-dir", ck, "--resume")]
+    one_process = finish(start(cmd, env=accel_env()), TIMEOUT)
+    assert one_process.returncode != 0 and "written by 2 processes, this run has 1" in one_process.stderr
+
+
+def test_full_disk_during_checkpoint_keeps_the_previous_one(cifar_dir, tmp_path):
+    ck = tmp_path / "ck"
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 3,
+                                                                             "--checkpoint-dir", ck),
+                               env=accel_env(CIFAR_WRN_TEST_ENOSPC_AT_EPOCH=2))
+    assert result.returncode != 0
+    assert "No space left on device" in result.stderr and "previous checkpoint is intact" in result.stderr
+    assert "stopping because the checkpoint could not be written" in result.stderr
+    assert 'accel_train.py", line' not in result.stderr
+    assert len(EPOCH_LINE.findall(result.stdout)) == 2  # it stopped at the failed write, not later
+    assert sorted(p.name for p in ck.iterdir()) == ["LATEST", "state-1"]
+    assert accel_train.read_training_state(ck / "state-1")["epoch"] == 1
+
+
+def worker_processes(launcher_pid, count=2, timeout=60):
+    """The ranks: accelerate launch runs torchrun's agent in its own process; the ranks are its children."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = [p for p in psutil.Process(launcher_pid).children(recursive=True)
+                    if "accel_train.py" in " ".join(p.cmdline())]
+        if len(children) == count:
+            return children
+        time.sleep(0.1)
+    pytest.fail("ranks did not start")
+
+
+def wait_for_epoch(log_path, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log_path.exists() and '"kind": "epoch"' in log_path.read_text():
+            return
+        time.sleep(0.05)
+    pytest.fail("the run never finished its first epoch")
+
+
+def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
+    """SIGUSR1 goes to the ranks (not to accelerate launch: torchrun's agent has no handler for it and would
+    die, leaving the ranks running). They agree at the next check, write a checkpoint and exit 75; the agent
+    reports that as a failed child, so accelerate launch itself exits 1 (docs/accelerate.md, Preemption)."""
+    ck = tmp_path / "ck"
+    long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck]  # 40 steps per epoch
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
+           "--main_process_port", free_port(), "accel_train.py",
+           *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")]
+    proc = start(cmd, env=accel_env())
+    ranks = worker_processes(proc.pid)
+    wait_for_epoch(tmp_path / "l.jsonl")
+    for rank in ranks:
+        rank.send_signal(signal.SIGUSR1)
+    result = finish(proc, 90)
+    assert result.returncode != 0
+    assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
+    assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
+    state = accel_train.read_training_state(accel_train.latest_checkpoint(ck))
+    assert state["step"] % 10 == 0 and 0 < state["step"] <= 40 and not state["finished"]
+    resumed = accelerate_launch(CONFIGS / "two_cpus.yaml",
+                                *reliability_flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json",
+                                                   tmp_path / "l.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f": epoch {state['epoch'] + 1}, step {state['step']} of 40" in resumed.stdout
+    _, epochs = read_log(tmp_path / "l.jsonl")
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+
+
+def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tmp_path):
+    """SIGTERM to the accelerate launch process: torchrun's agent sends SIGTERM to the ranks (and SIGKILL 30 s
+    later); they checkpoint at the next check and exit 75; the agent re-raises the signal, so the launcher exits 1."""
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
+           "--main_process_port", free_port(), "accel_train.py",
+           *reliability_flags(cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck,
+                              "--log-json", tmp_path / "l.jsonl")]
+    proc = start(cmd, env=accel_env())
+    ranks = worker_processes(proc.pid)
+    wait_for_epoch(tmp_path / "l.jsonl")
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, 90)
+    assert result.returncode != 0 and "got signal: 15" in result.stderr
+    assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind
+    state = accel_train.read_training_state(accel_train.latest_checkpoint(ck))
+    assert state["step"] % 10 == 0 and not state["finished"]
+
+
+def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 2),
+                               env=accel_env(CIFAR_WRN_TEST_NAN_AT="1,1,3"))
+    assert result.returncode != 0
+    # rank 1's loss is NaN at step 3; the ranks agree at the epoch's last step (5) and rank 0 reports once
+    # (rank 0 follows at step 4: the all-reduce spreads rank 1's NaN gradients into its weights)
+    assert result.stderr.count("error: non-finite loss in epoch 1 on rank(s) ") == 1
+    assert "1 (first at step 3)" in result.stderr and "0 (first at step 4)" in result.stderr
+    assert "every rank stopped at step 5" in result.stderr
+    assert "lost contact" not in result.stderr and 'accel_train.py", line' not in result.stderr
+    assert not EPOCH_LINE.search(result.stdout)
+
+
+# ----------------------------------------------------------------------------- --profile, --trace (issue 6)
+
+def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(cifar_dir, tmp_path):
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--model-width", 8,
+                               "--epochs", 2, "--profile", "--trace", tmp_path / "trace",
+                               "--log-json", tmp_path / "log.jsonl")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
+    _, epochs = read_log(tmp_path / "log.jsonl")
+    for e in epochs:
+        assert set(e["profile"]) == set(PHASES) and all(v >= 0 for v in e["profile"].values())
+        assert sum(e["profile"].values()) == pytest.approx(e["epoch_time"], rel=0.05)
+        assert e["profile"]["forward"] > 0 and e["profile"]["backward"] > 0
+        assert 0 <= e["comm_estimate"] < e["epoch_time"]
+    traces = sorted(p.name.split(".")[0] for p in (tmp_path / "trace").iterdir())
+    assert traces == ["rank0", "rank1"]
