@@ -11,6 +11,8 @@ Both produce normalised float batches on --device; the ratio is device / baselin
 import argparse
 import sys
 import time
+
+CLOCK = time.perf_counter  # or time.process_time with --clock cpu
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ def images_per_sec(loader, device, batches: int) -> float:
     next(it)  # warm-up: worker start, first allocation
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     n = 0
     for _ in range(batches):
         x, y = next(it)
@@ -33,7 +35,7 @@ def images_per_sec(loader, device, batches: int) -> float:
         n += len(y)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    return n / (CLOCK() - t0)
 
 
 def main():
@@ -41,12 +43,17 @@ def main():
     p.add_argument("--data-dir", default="data", help="CIFAR-10 folder; random images when it is missing")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
+                        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers for the baseline on GPU")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     device = torch.device(args.device)
     if dataset_present(args.data_dir):
         images, labels = load_split(args.data_dir, train=True)
@@ -62,7 +69,7 @@ def main():
     on_device = DeviceBatches(images, labels, device, augment=True, seed=0)
     fast = DataLoader(on_device, batch_size=None,
                       sampler=BatchSampler(RandomSampler(on_device), args.batch_size, drop_last=True))
-    print(f"# data pipeline: {source}; device {device}, {args.threads} threads, batch {args.batch_size}, "
+    print(f"# data pipeline: {source}; device {device}, {args.threads} threads, {args.clock} clock, batch {args.batch_size}, "
           f"{args.batches} batches x {args.repeats} repeats (best of each)")
     rates = {"baseline": 0.0, "device": 0.0}
     for _ in range(args.repeats):  # interleaved, so that machine noise hits both alike

@@ -51,7 +51,7 @@ def main():
                 log = Path(tmp) / "log.jsonl"
                 cmd = [sys.executable, str(REPO / "raw_ddp.py"), "--num-gpus", str(args.num_gpus), "--device",
                        args.device, "--data-dir", args.data_dir, "--recipe", "fast", "--train-subset",
-                       str(args.train_subset), "--val-subset", "500", "--batch-size", str(args.batch_size),
+                       str(args.train_subset), "--val-subset", "100", "--batch-size", str(args.batch_size),
                        "--epochs", str(args.epochs), "--target-accuracy", "1.0", "--model-width",
                        str(args.model_width), "--log-json", str(log), *extra]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -1,16 +1,20 @@
 """Training-step images/sec of the fast recipe against the baseline recipe, same device, real model.
 
-    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256]
+    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation]
 
 One process, no DDP: this isolates what the recipe changes per step (precision, memory layout,
 batch size, cuDNN autotuning, data pipeline), not the communication. Each recipe runs warm-up steps,
 then --steps timed steps of forward + backward + SGD step on the real WideResNet (17.1 M parameters),
 with batches from that recipe's own data pipeline. The two recipes alternate --repeats times and
-the best rate of each is kept; the ratio fast / baseline comes from the same run.
+the best rate of each is kept; the ratio fast / baseline comes from the same run. --ablation adds
+the steps in between (baseline + bf16, + channels_last, + the fast batch size, + the on-device
+pipeline = fast), each against the baseline of the same run.
 """
 import argparse
 import sys
 import time
+
+CLOCK = time.perf_counter  # or time.process_time with --clock cpu
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_wrn.data import CIFAR10, DeviceBatches  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.recipe import build_optimizer, load_recipe, scaled_lr  # noqa: E402
+import dataclasses  # noqa: E402
 
 
 def setup(recipe, batch_size, device, images, labels):
@@ -52,35 +57,48 @@ def setup(recipe, batch_size, device, images, labels):
 def rate(step, batch_size, steps, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return steps * batch_size / (time.perf_counter() - t0)
+    return steps * batch_size / (CLOCK() - t0)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
+                        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fast-batch", type=int, help="per-process batch of the fast recipe (default: the recipe's)")
+    p.add_argument("--ablation", action="store_true", help="also time the steps from baseline to fast one by one")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     device = torch.device(args.device)
     images = torch.randint(0, 256, (8192, 3, 32, 32), dtype=torch.uint8)  # content does not change step time
     labels = torch.randint(0, 10, (8192,))
-    recipes = {name: load_recipe(name) for name in ("baseline", "fast")}
+    base, fast = load_recipe("baseline"), load_recipe("fast")
+    fast_batch = args.fast_batch or fast.batch_size
+    recipes, batch = {"baseline": base}, {"baseline": base.batch_size}
+    if args.ablation:
+        bf16 = dataclasses.replace(base, precision="bf16")
+        nhwc = dataclasses.replace(bf16, channels_last=True)
+        recipes.update({"+ bf16": bf16, "+ channels_last": nhwc, f"+ batch {fast_batch}": nhwc})
+        batch.update({"+ bf16": base.batch_size, "+ channels_last": base.batch_size, f"+ batch {fast_batch}": fast_batch})
+    recipes["fast"], batch["fast"] = fast, fast_batch
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # for both: only the recipe differences are measured
-    batch = {"baseline": recipes["baseline"].batch_size, "fast": args.fast_batch or recipes["fast"].batch_size}
+        torch.backends.cudnn.benchmark = True  # for all: only the recipe differences are measured
     steps = {name: setup(recipes[name], batch[name], device, images, labels) for name in recipes}
-    print(f"# train step: real WideResNet, device {device}, {args.threads} threads; baseline batch "
-          f"{batch['baseline']} fp32, fast batch {batch['fast']} {recipes['fast'].precision} "
-          f"channels_last={recipes['fast'].channels_last} pipeline={recipes['fast'].data_pipeline}")
+    print(f"# train step: real WideResNet, device {device}, {args.threads} threads, {args.clock} clock; baseline batch "
+          f"{batch['baseline']} fp32, fast batch {batch['fast']} {fast.precision} "
+          f"channels_last={fast.channels_last} pipeline={fast.data_pipeline}")
     for name in steps:
         for _ in range(args.warmup):
             steps[name]()
@@ -88,8 +106,9 @@ def main():
     for _ in range(args.repeats):
         for name in steps:
             best[name] = max(best[name], rate(steps[name], batch[name], args.steps, device))
+    print("| variant | per-process batch | images/sec | vs baseline |\n|---|---|---|---|")
     for name in steps:
-        print(f"{name:9s} {best[name]:10.1f} images/sec")
+        print(f"| {name} | {batch[name]} | {best[name]:.1f} | {best[name] / best['baseline']:.2f}x |")
     print(f"ratio fast/baseline {best['fast'] / best['baseline']:.2f}x")
 
 
