@@ -69,12 +69,10 @@ from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, 
 from cifar_wrn.errors import UserError
 from cifar_wrn.profiling import PhaseTimer, profile_table
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
-from cifar_wrn.recipe import (as_dict, build_optimizer, build_scheduler, load_recipe, parse_set, scaled_lr)
+from cifar_wrn.cli import add_training_flags, recipe_from_args
+from cifar_wrn.recipe import as_dict, build_optimizer, build_scheduler, scaled_lr
 from cifar_wrn.runlog import JsonLog, epoch_line, run_header
 
-# Flags that are recipe keys: given on the command line they override the recipe file.
-RECIPE_FLAGS = {"epochs": "epochs", "batch_size": "batch_size", "base_lr": "base_lr",
-                "target_accuracy": "target_accuracy", "patience": "patience", "seed": "seed"}
 
 # The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
 # optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
@@ -97,32 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
                         "(or set ACCELERATE_USE_CPU=1)")
     p.add_argument("--dist-timeout", type=float, default=600.0,
                    help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)")
-    p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
-    p.add_argument("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one recipe key, e.g. --set momentum=0.9 (repeatable)")
-    p.add_argument("--epochs", type=int, help="maximum epochs (recipe: 40)")
-    p.add_argument("--batch-size", type=int, help="images per process per step (recipe: 32)")
-    p.add_argument("--base-lr", type=float, help="learning rate at the reference batch size (recipe: 0.01)")
-    p.add_argument("--target-accuracy", type=float, help="validation accuracy to reach (recipe: 0.85)")
-    p.add_argument("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
-    p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
-    p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
-    p.add_argument("--log-json", metavar="PATH", help="write a JSON-lines log: a header, then one object per epoch")
-    p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
-    p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
-    p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="write an Accelerate checkpoint (save_state) under DIR after every epoch and on SIGUSR1/SIGTERM "
-                        "(a folder every node sees)")
-    p.add_argument("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
-    p.add_argument("--auto-resume", action="store_true",
-                   help="continue from DIR's checkpoint if it exists, else start fresh (for requeued jobs)")
-    p.add_argument("--profile", action="store_true",
-                   help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate")
-    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
-    p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
-                   help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
-                        f"in a real run)")
+    add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
     return p.parse_args(argv)
 
 
@@ -713,9 +686,7 @@ def run_process(args, recipe) -> None:
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
     """Read the recipe (flags and --set override it; so does bf16 from the launch config), check the flags."""
-    overrides = parse_set(args.set)
-    overrides.update({key: getattr(args, flag) for flag, key in RECIPE_FLAGS.items() if getattr(args, flag) is not None})
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = recipe_from_args(args)
     check_recipe_supported(recipe)
     # accelerate launch passes the config's mixed_precision (or --mixed_precision) in this variable; 'no' is
     # also its default, so only bf16 counts as a request. It overrides the recipe like a flag would.

@@ -1,6 +1,5 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 import re
-import sys
 
 import pytest
 import torch

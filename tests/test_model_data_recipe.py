@@ -10,7 +10,7 @@ from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split,
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.recipe import (Recipe, RecipeError, build_optimizer, build_scheduler, load_recipe, parse_set,
                               scaled_lr)
-from conftest import TRAIN_IMAGES, VAL_IMAGES, write_cifar
+from conftest import TRAIN_IMAGES, write_cifar
 
 
 # ----------------------------------------------------------------------------- model

@@ -3,7 +3,6 @@ import json
 import re
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 import torch
