@@ -11,7 +11,7 @@
 #   MASTER_ADDR, MASTER_PORT   multi-node rendezvous (default: first host of the job, 10000 + job id % 20000)
 #   DATA_DIR       where each node puts its copy of the data (default $TMPDIR/cifar10)
 #   REPO_DIR       the repository (default: the folder sbatch was run from)
-#   CHECKPOINT_DIR raw_* scripts: where the checkpoint goes (default runs/<job id>/checkpoints)
+#   CHECKPOINT_DIR where the checkpoints go (default runs/<job id>/checkpoints)
 
 CIFAR_FILES=(data_batch_1 data_batch_2 data_batch_3 data_batch_4 data_batch_5 test_batch)
 
@@ -248,7 +248,7 @@ run_logged() {
 }
 
 # ============================================================================ preemption and requeue
-# For the raw_* scripts (raw_ddp.py), whose #SBATCH lines ask for `--signal=B:USR1@120 --requeue`.
+# For the job scripts, whose #SBATCH lines ask for `--signal=B:USR1@120 --requeue`; raw_* (raw_ddp.py) first.
 # SIGUSR1 to the batch shell (Slurm's warning 120 s before the time limit; at preemption too where
 # the site sets PreemptParameters=send_user_signal; or `scancel --batch --signal=USR1 <job id>`)
 # means "checkpoint and come back": the shell passes it on to the training, whose ranks agree at
@@ -257,21 +257,47 @@ run_logged() {
 # resumes from the checkpoint by itself (--auto-resume). SIGTERM (scancel, the end of the job, a preemption without the user
 # signal) is passed on as SIGUSR1 too, for a checkpoint if there is time, but the job is not
 # requeued: a requeue there would undo a scancel. See docs/slurm.md, "Preemption and requeue".
+#
+# The accel_* scripts (accel_train.py under `accelerate launch`) call accel_preemption_setup
+# and differ in two places, because SIGUSR1 must never reach an `accelerate launch` process (it
+# kills the launcher and orphans its ranks; real and fake srun would pass it to every process of
+# the step): (1) the stop is passed on through a file, STOP_FILE (runs/<job id>/stop-request): the
+# shell writes "stop" into it, and on every node launch_stoppable, which runs `accelerate launch`
+# there, reads it every second and sends its launcher SIGTERM (torchrun's agent passes that on to
+# the ranks, which checkpoint and exit 75); (2) `accelerate launch` then exits 1, not 75, so the
+# shell takes the training's own line "stopped by a signal at epoch E, step S: checkpoint written
+# to ..." in this run's output as the status 75.
 
 PREEMPTED_EXIT=75  # raw_ddp.py: "stopped by a signal, checkpoint written: run me again"
 STOP_REQUESTS=0    # stop signals the batch shell has received
 REQUEUE_WANTED=0   # 1 once one of them was SIGUSR1
 STEP_PID=          # the training running in the background (python, or srun); "ended" after it
 RESUME_ARGS=()     # the trainer's checkpoint arguments, set by preemption_setup
+STOP_FILE=         # accel_* scripts: the file launch_stoppable watches on every node; empty: raw_*
+# accel_* scripts: the training's line for "stopped by a signal, checkpoint written", taken as status 75
+STOPPED_LINE='stopped by a signal at epoch [0-9]+, step [0-9]+: checkpoint written to'
+
+# pass_stop_on: tell the running training to checkpoint and stop; fails if it has ended already.
+pass_stop_on() {
+    if [[ -z $STOP_FILE ]]; then
+        kill -USR1 "$STEP_PID" 2>/dev/null
+    else
+        kill -0 "$STEP_PID" 2>/dev/null || return 1
+        echo stop > "$STOP_FILE" || echo "error: cannot write $STOP_FILE: the training was not told to stop" >&2
+    fi
+}
 
 # on_stop_signal NAME: the trap. Only SIGUSR1 is passed on: srun answers SIGTERM by killing its
-# tasks at once, and raw_ddp.py's launcher treats both alike.
+# tasks at once, and raw_ddp.py's launcher treats both alike. (accel_*: through STOP_FILE instead.)
 on_stop_signal() {
     STOP_REQUESTS=$((STOP_REQUESTS + 1))
     if [[ $1 == USR1 ]]; then REQUEUE_WANTED=1; fi
     local what="the training will not be started"
-    if [[ $STEP_PID == ended ]] || { [[ -n $STEP_PID ]] && ! kill -USR1 "$STEP_PID" 2>/dev/null; }; then
+    if [[ $STEP_PID == ended ]] || { [[ -n $STEP_PID ]] && ! pass_stop_on; }; then
         what="the training has ended already"
+    elif [[ -n $STEP_PID && -n $STOP_FILE ]]; then
+        what="passed on to the training through $STOP_FILE: within a second each node's accelerate launch gets"
+        what+=" SIGTERM and passes it to its ranks, which write a checkpoint within a few steps and stop"
     elif [[ -n $STEP_PID ]]; then
         what="passed on to the training as SIGUSR1: it writes a checkpoint within a few steps and stops"
     fi
@@ -288,12 +314,54 @@ preemption_setup() {
     trap 'on_stop_signal TERM' TERM
 }
 
+# accel_preemption_setup: preemption_setup for the accel_* scripts; also sets STOP_FILE (to hand to
+# launch_stoppable on every node) and resets it to "run" for this run. It lies in runs/<job id>/
+# for the checkpoint folder's reasons: every node reads it, a requeue keeps it.
+accel_preemption_setup() {
+    STOP_FILE=$RUN_DIR/stop-request
+    echo run > "$STOP_FILE" || die "cannot write $STOP_FILE"
+    preemption_setup
+}
+
+# launch_stoppable STOP_FILE COMMAND...: the accel_* scripts run `accelerate launch` through this,
+# on each node. It runs COMMAND in the background and, once STOP_FILE says "stop" (read every
+# second; reading opens the file, so even NFS shows a fresh copy), or when this shell itself gets
+# SIGTERM or SIGUSR1, sends COMMAND SIGTERM: the one signal `accelerate launch` passes on to its
+# ranks. Returns COMMAND's status.
+launch_stoppable() {
+    local stop_file=$1 pid word status=0 stopped=0
+    shift
+    "$@" &
+    pid=$!
+    # shellcheck disable=SC2064  # $pid now, on purpose
+    trap "kill -TERM $pid 2>/dev/null || true" TERM USR1
+    while (( stopped == 0 )) && kill -0 "$pid" 2>/dev/null; do
+        word=
+        read -r word < "$stop_file" 2>/dev/null || true
+        if [[ $word == stop ]]; then
+            echo "node ${SLURM_NODEID:-0} ($(hostname)): stop requested: SIGTERM to accelerate launch (pid $pid)"
+            kill -TERM "$pid" 2>/dev/null || true
+            stopped=1
+        else
+            sleep 1
+        fi
+    done
+    while true; do  # a trap interrupts `wait` (status > 128): wait again until COMMAND has ended
+        status=0
+        wait "$pid" || status=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    trap - TERM USR1
+    return "$status"
+}
+
 # run_preemptable COMMAND...: run_logged for the training, then requeue or exit; never returns.
 # The command runs in the background while the shell waits for it: bash runs a trap only once the
 # foreground command has ended, so a training in the foreground would never hear of the signal.
 run_preemptable() {
     echo "+ $(quote_args "$@")" | tee -a "$LOG"
-    local status=0 start=$SECONDS seen log_fd tee_pid
+    local status=0 start=$SECONDS seen log_fd tee_pid log_start
+    log_start=$(wc -c < "$LOG" 2>/dev/null || echo 0)  # where this run's output starts in train.log
     if (( STOP_REQUESTS > 0 )); then
         echo "=== job $JOB_ID: stopped before the training started" | tee -a "$LOG"
         requeue_or_exit "$PREEMPTED_EXIT"
@@ -303,7 +371,7 @@ run_preemptable() {
     seen=$STOP_REQUESTS
     "$@" >&"$log_fd" 2>&1 &
     STEP_PID=$!
-    if (( STOP_REQUESTS != seen )); then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi  # came in between
+    if (( STOP_REQUESTS != seen )); then pass_stop_on || true; fi  # came in between
     while true; do
         seen=$STOP_REQUESTS
         status=0
@@ -317,6 +385,13 @@ run_preemptable() {
         kill -0 "$tee_pid" 2>/dev/null || break
         sleep 0.1
     done
+    # accel_*: `accelerate launch` exits 1 when its ranks exit 75; the training's line says what happened.
+    if [[ -n $STOP_FILE ]] && (( status != 0 && status != PREEMPTED_EXIT )) \
+        && tail -c +"$((log_start + 1))" "$LOG" | grep -E "$STOPPED_LINE" >/dev/null; then  # not -q: pipefail
+        echo "=== the training stopped for the signal and wrote its checkpoint (its ranks exited" \
+             "$PREEMPTED_EXIT, accelerate launch $status): taken as status $PREEMPTED_EXIT" | tee -a "$LOG"
+        status=$PREEMPTED_EXIT
+    fi
     if (( status == 0 )); then
         echo "=== job $JOB_ID finished in $((SECONDS - start)) s; logs: $RUN_DIR/" | tee -a "$LOG"
     elif (( status == PREEMPTED_EXIT )); then
@@ -329,7 +404,7 @@ run_preemptable() {
     requeue_or_exit "$status"
 }
 
-# requeue_or_exit STATUS: the end of a raw_* job. After a SIGUSR1, a training that stopped (exit
+# requeue_or_exit STATUS: the end of a job script. After a SIGUSR1, a training that stopped (exit
 # status PREEMPTED_EXIT, or any failure: a launcher the signal reached before it could handle it,
 # say) is requeued: `scontrol requeue`, then exit 0 (Slurm ends this run and queues the job again).
 # Anything else exits with the training's status.

@@ -108,9 +108,9 @@ def test_sbatch_header(path):
     assert opts.get("ntasks-per-node") == "1"  # one launcher per node; it starts the GPU processes
     gpus = fakeslurm.gpus_per_node(opts, "sbatch")
     assert gpus == {"1gpu": 1, "2gpu": 2, "multinode": 4}[path.stem.split("_")[1]]
-    if path.name.startswith("raw_"):  # preemption: SIGUSR1 to the batch shell 120 s ahead, then requeue
-        assert opts["signal"] == "B:USR1@120" and opts.get("requeue") and opts.get("open-mode") == "append", opts
-        fakeslurm.check_signal(opts["signal"], "sbatch")
+    # preemption (every script): SIGUSR1 to the batch shell 120 s ahead, then requeue
+    assert opts["signal"] == "B:USR1@120" and opts.get("requeue") and opts.get("open-mode") == "append", opts
+    fakeslurm.check_signal(opts["signal"], "sbatch")
     # every #SBATCH line comes before the first command, or sbatch ignores it
     text = path.read_text()
     first_command = next(i for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#"))
@@ -405,9 +405,13 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
     assert header["kind"] == "header" and header["world_size"] == world_size, header
     assert header["launcher"] == launcher and header["device"] == "cpu" and header["backend"] == "gloo"
     assert [e["epoch"] for e in epochs] == [1] and 0 <= epochs[0]["val_accuracy"] <= 1
-    if launcher == "mp.spawn":  # the raw_* scripts always checkpoint, for a requeue
-        assert f"checkpoints: {run_dir / 'checkpoints'}" in log
+    # every script checkpoints, for a requeue: raw_ddp.py one file, accel_train.py state-<n>/ named by LATEST
+    assert f"checkpoints: {run_dir / 'checkpoints'}" in log
+    if launcher == "mp.spawn":
         assert (run_dir / "checkpoints" / "checkpoint.pt").is_file()
+    else:
+        latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+        assert (run_dir / "checkpoints" / latest).is_dir(), latest
     assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
     return header
 
@@ -615,3 +619,127 @@ def test_preempted_multinode_job_checkpoints_requeues_and_resumes(tmp_path, cifa
     out = job.output  # --open-mode=append: the requeued run's output follows the first run's
     assert out.index("Epoch =  1:") < out.index("restart 1: this job was requeued") < out.index("Epoch =  3:"), out
     assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
+
+
+# As PREEMPT_TINY, but 80 steps an epoch: the stop reaches accelerate launch up to a second after the
+# signal (launch_stoppable reads the stop file every second), and must still land before the last epoch ends.
+ACCEL_PREEMPT_TINY = PREEMPT_TINY.replace("--batch-size 4", "--batch-size 2")
+
+
+@pytest.mark.parametrize("name, options", [
+    ("accel_multinode", ["--nodes=2", "--gres=gpu:1"]),
+    ("accel_2gpu", []),
+])
+def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(tmp_path, cifar_dir, name, options):
+    """An accel_* script (accelerate launch) on the fakes: SIGUSR1 to the batch shell after the first
+    epoch. The shell must not pass SIGUSR1 on (it would kill `accelerate launch`): it writes "stop"
+    into runs/<job id>/stop-request, launch_stoppable on each node sends its accelerate launch
+    SIGTERM, the launcher passes it to its ranks, which write a checkpoint (DIR/LATEST) and exit 75;
+    accelerate launch exits 1, the script reads the training's "stopped by a signal ... checkpoint
+    written" line, requeues the job, and the second run resumes at that step and finishes."""
+    calls = tmp_path / "scontrol.log"
+
+    def preempt(proc, job_id):
+        wait_for(tmp_path / "runs" / job_id / "log.jsonl", "the first epoch", proc, job_id, tmp_path,
+                 text='"kind": "epoch"')
+        os.kill(proc.pid, signal.SIGUSR1)
+
+    job = sbatch(tmp_path, SLURM / f"{name}.sbatch", *options, during=preempt, DATA_SRC=cifar_dir,
+                 EXTRA_ARGS=ACCEL_PREEMPT_TINY, FAKE_SLURM_SCONTROL_LOG=calls, FAKE_SLURM_MAX_RESTARTS=1)
+    assert job.returncode == 0, job.describe()
+    run_dir = job.runs / job.job_id
+    checkpoints = run_dir / "checkpoints"
+    log = (run_dir / "train.log").read_text()
+    assert f"checkpoints: {checkpoints} (a requeued run resumes from there)" in log, log
+    assert "SIGUSR1 received; passed on to the training through" in log, log
+    nodes = 2 if "multinode" in name else 1
+    assert log.count("stop requested: SIGTERM to accelerate launch") == nodes, log
+    stopped = re.search(r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+);", log)
+    assert stopped and Path(stopped.group(3)).parent == checkpoints, log
+    assert "taken as status 75" in log and "stopped after" in log, log  # accelerate launch itself exits 1
+    requeues = [c for c in calls.read_text().splitlines() if c.startswith("scontrol requeue")]
+    assert requeues == [f"scontrol requeue {job.job_id}"], calls.read_text()
+    assert log.count(f"job {job.job_id} requeued") == 1 and "restart 1: this job was requeued" in log, log
+    epoch, step = stopped.group(1), stopped.group(2)
+    assert f"Resuming from {stopped.group(3)}: epoch {epoch}, step {step} of 80" in log, log
+    assert log.index("stopped by a signal") < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
+    assert f"job {job.job_id} finished" in log
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2, 3], records  # appended, none twice
+    assert len([r for r in records if r["kind"] == "header"]) == 2, records
+    assert (checkpoints / "LATEST").is_file()
+    out = job.output  # --open-mode=append: the requeued run's output follows the first run's
+    assert out.index("Epoch =  1:") < out.index("restart 1: this job was requeued") < out.index("Epoch =  3:"), out
+    assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
+
+
+# The accel_* side, with a stand-in for `accelerate launch` on 2 fake nodes, run through
+# launch_stoppable as accel_multinode.sbatch does: SIGUSR1 would kill it (as it kills accelerate
+# launch); on SIGTERM node 0's prints the training's "checkpoint written" line, and both exit 1.
+ACCEL_PREEMPT_PROBE = """#!/bin/bash
+#SBATCH --account=probe
+#SBATCH --nodes=2
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+export REPO_DIR=$SLURM_SUBMIT_DIR
+source "$REPO_DIR/slurm/common.sh"
+JOB_ID=$SLURM_JOB_ID
+export RUN_DIR=$RUNS_DIR/$JOB_ID PYTHON
+LOG=$RUN_DIR/train.log
+mkdir -p "$RUN_DIR"
+accel_preemption_setup
+echo "run ${SLURM_RESTART_COUNT:-0}, stop file: $(cat "$STOP_FILE")"
+run_preemptable srun --kill-on-bad-exit=1 \\
+    bash -c 'source "$REPO_DIR/slurm/common.sh" && launch_stoppable "$1" "$PYTHON" -c "$2"' bash "$STOP_FILE" '
+import os, pathlib, signal, sys, time
+node = os.environ["SLURM_NODEID"]
+def term(*_):
+    if node == "0":  # split: the echoed command line must not match
+        print("stopped by a " + "signal at epoch 1, step 10: checkpoint written to somewhere; rerun", flush=True)
+    print(f"stand-in {node} got " + "SIGTERM", flush=True)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, term)
+if os.environ.get("SLURM_RESTART_COUNT"):
+    print("stand-in " + "resumed", flush=True)
+    sys.exit(0)
+pathlib.Path(os.environ["RUN_DIR"], "ready-" + node).touch()
+time.sleep(100)
+'
+"""
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_accel_stop_goes_through_the_stop_file(tmp_path, sig):
+    """SIGUSR1 or SIGTERM to the batch shell of an accel_*-style script: never passed on as a signal
+    (SIGUSR1 would kill accelerate launch), but written into the stop file; launch_stoppable on each
+    node sends its launcher SIGTERM; the launchers exit 1, and the training's "checkpoint written"
+    line makes that status 75. SIGUSR1 then requeues (the second run finishes); SIGTERM does not."""
+    if not Path("/proc/self/task").exists():
+        pytest.skip("needs Linux /proc to find the batch shell")
+    script = write_script(tmp_path, ACCEL_PREEMPT_PROBE)
+    calls = tmp_path / "scontrol.log"
+
+    def stop(proc, job_id):
+        for node in (0, 1):
+            wait_for(tmp_path / "runs" / job_id / f"ready-{node}", "the stand-in's start", proc, job_id, tmp_path)
+        os.kill(batch_shell(proc.pid), getattr(signal, f"SIG{sig}"))
+
+    job = sbatch(tmp_path, script, timeout=60, during=stop, FAKE_SLURM_SCONTROL_LOG=calls, FAKE_SLURM_MAX_RESTARTS=1)
+    out = job.output
+    stop_file = job.runs / job.job_id / "stop-request"
+    assert "run 0, stop file: run" in out, job.describe()
+    assert f"SIG{sig} received; passed on to the training through {stop_file}" in out, job.describe()
+    assert out.count("stop requested: SIGTERM to accelerate launch") == 2, job.describe()
+    assert "stand-in 0 got SIGTERM" in out and "stand-in 1 got SIGTERM" in out, job.describe()
+    assert "taken as status 75" in out and "stopped after" in out, job.describe()
+    if sig == "USR1":
+        assert job.returncode == 0, job.describe()
+        assert f"job {job.job_id} requeued" in out and "run 1, stop file: run" in out, job.describe()
+        assert "stand-in resumed" in out and f"job {job.job_id} finished" in out, job.describe()
+        assert [c for c in calls.read_text().splitlines() if "requeue" in c] == [f"scontrol requeue {job.job_id}"]
+    else:
+        assert job.returncode == 75, job.describe()
+        assert "not requeued after SIGTERM" in out and "run 1" not in out, job.describe()
+        assert not calls.exists() or "requeue" not in calls.read_text()
+    assert not job.leftovers, job.describe()
