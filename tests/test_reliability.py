@@ -161,3 +161,22 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     # had the ranks stopped at different steps, one would be left in a collective and report lost contact
     assert "lost contact" not in result.stderr and "Traceback" not in result.stderr
     assert "Epoch = " not in result.stdout
+
+
+def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
+    """torchrun's agent passes SIGTERM on to its workers; the ranks agree, checkpoint and stop."""
+    from conftest import free_port
+    long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
+                  "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")[2:]])
+    wait_for_epoch(tmp_path / "l.jsonl")
+    os.kill(proc.pid, signal.SIGTERM)
+    result = finish(proc, 90)
+    assert result.returncode != 0  # torchrun reports its own SignalException
+    assert "stopped by a signal at epoch 2, step" in result.stderr
+    checkpoint = load_checkpoint(tmp_path / "ck")
+    assert checkpoint["epoch"] == 1 and checkpoint["step"] % 10 == 0 and checkpoint["step"] > 0
+    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json", tmp_path / "l.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr
+    _, epochs = read_log(tmp_path / "l.jsonl")
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
