@@ -21,6 +21,9 @@ Launch:
 
     # torchrun instead of mp.spawn: RANK, LOCAL_RANK and WORLD_SIZE come from the environment
     torchrun --nproc_per_node 2 raw_ddp.py --data-dir data
+
+    # the challenge recipe (docs/optimizations.md); checkpoints every epoch, resumable after preemption
+    python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --recipe fast --checkpoint-dir ckpt --auto-resume
 """
 # ============================================================================ setup
 import argparse
