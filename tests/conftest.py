@@ -93,3 +93,46 @@ def raw_ddp(*flags, timeout: float = 180, env=None) -> Result:
 
 
 TINY = ["--device", "cpu", "--model-width", "4", "--set", "eval_batch_size=64"]
+
+
+def wait_for_epoch(log_path, timeout=120):
+    """Block until a run's JSON log holds its first epoch record (then signal it mid-run)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log_path.exists() and '"kind": "epoch"' in log_path.read_text():
+            return
+        time.sleep(0.05)
+    pytest.fail("the run never finished its first epoch")
+
+
+def check_profile(log_path, trace_dir):
+    """--profile records: every phase, non-negative, summing to the epoch time within 5%; one trace per rank."""
+    from cifar_wrn.profiling import PHASES
+    from cifar_wrn.runlog import read_log
+    _, epochs = read_log(log_path)
+    for e in epochs:
+        assert set(e["profile"]) == set(PHASES) and all(v >= 0 for v in e["profile"].values())
+        assert sum(e["profile"].values()) == pytest.approx(e["epoch_time"], rel=0.05)
+        assert e["profile"]["forward"] > 0 and e["profile"]["backward"] > 0
+        assert 0 <= e["comm_estimate"] < e["epoch_time"]
+    traces = sorted(p.name.split(".")[0] for p in trace_dir.iterdir())
+    assert traces == ["rank0", "rank1"]
+
+
+def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
+    """The last logged validation metrics (bf16, flip TTA) equal one process evaluating the saved weights."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader
+    from cifar_wrn.data import DeviceBatches, evaluate, load_split
+    from cifar_wrn.model import WideResNet
+    from cifar_wrn.runlog import read_log
+    _, epochs = read_log(log_path)
+    model = WideResNet(width=4)
+    model.load_state_dict(torch.load(weights_path))
+    val = DeviceBatches(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), "cpu", augment=False)
+    loader = DataLoader(val, batch_size=None, sampler=BatchSampler(range(VAL_IMAGES), 50, drop_last=False))
+    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"),
+                      torch.bfloat16, tta_flip=True)
+    assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
+    assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ

@@ -22,16 +22,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 
 import accel_train
-from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
-from cifar_wrn.profiling import PHASES
+from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, write_cifar
+from conftest import check_profile, check_metrics_of_saved_weights, wait_for_epoch, REPO, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, write_cifar
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
@@ -278,14 +277,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
-    model = WideResNet(width=4)
-    model.load_state_dict(torch.load(tmp_path / "w.pt"))
-    val = DeviceBatches(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), "cpu", augment=False)
-    loader = DataLoader(val, batch_size=None, sampler=BatchSampler(range(VAL_IMAGES), 50, drop_last=False))
-    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"),
-                      torch.bfloat16, tta_flip=True)
-    assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
-    assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
+    check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
@@ -359,15 +351,6 @@ def worker_processes(launcher_pid, count=2, timeout=60):
     pytest.fail("ranks did not start")
 
 
-def wait_for_epoch(log_path, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log_path.exists() and '"kind": "epoch"' in log_path.read_text():
-            return
-        time.sleep(0.05)
-    pytest.fail("the run never finished its first epoch")
-
-
 def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     """SIGUSR1 goes to the ranks (not to accelerate launch: torchrun's agent has no handler for it and would
     die, leaving the ranks running). They agree at the next check, write a checkpoint and exit 75; the agent
@@ -438,11 +421,4 @@ def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(cifar_dir, tmp_p
                                "--log-json", tmp_path / "log.jsonl")
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
-    _, epochs = read_log(tmp_path / "log.jsonl")
-    for e in epochs:
-        assert set(e["profile"]) == set(PHASES) and all(v >= 0 for v in e["profile"].values())
-        assert sum(e["profile"].values()) == pytest.approx(e["epoch_time"], rel=0.05)
-        assert e["profile"]["forward"] > 0 and e["profile"]["backward"] > 0
-        assert 0 <= e["comm_estimate"] < e["epoch_time"]
-    traces = sorted(p.name.split(".")[0] for p in (tmp_path / "trace").iterdir())
-    assert traces == ["rank0", "rank1"]
+    check_profile(tmp_path / "log.jsonl", tmp_path / "trace")

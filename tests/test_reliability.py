@@ -10,7 +10,7 @@ import torch
 
 from cifar_wrn.checkpoint import CheckpointError, check_writable, load_checkpoint, resume_problem, save_atomic
 from cifar_wrn.runlog import read_log
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, start
+from conftest import wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, start
 
 PREEMPTED_EXIT = 75
 
@@ -93,15 +93,6 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(cifar_dir, tmp_path)
 
 
 # ----------------------------------------------------------------------------- preemption and faults
-
-def wait_for_epoch(log_path, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log_path.exists() and '"kind": "epoch"' in log_path.read_text():
-            return
-        time.sleep(0.05)
-    pytest.fail("the run never finished its first epoch")
-
 
 def test_sigusr1_to_the_launcher_checkpoints_and_requeues(cifar_dir, tmp_path):
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch

@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from raw_ddp import port_is_free
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "tests" / "fake_slurm"
@@ -155,16 +156,6 @@ def kill_all(sid: int, tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-        return True
 
 
 def job_id_with_free_port() -> str:
