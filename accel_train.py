@@ -80,7 +80,8 @@ SUPPORTED_RECIPE_KEYS = frozenset({
     "epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling", "reference_batch_size",
     "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay", "label_smoothing", "precision",
     "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers", "eval_batch_size", "seed",
-    "ema_decay", "ddp_bucket_view", "ddp_static_graph", "grad_compression", "sync_bn", "compile", "tta_flip"})
+    "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph", "grad_compression", "sync_bn", "compile",
+    "tta_flip"})
 
 # Where launchers put the number of processes they started (torchrun / accelerate launch, then MPI).
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -513,6 +514,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss)  # DDP all-reduces gradient buckets here, overlapped with backward
                 timer.mark("backward")
+                if recipe.grad_clip_norm:  # on the averaged gradient, so every rank clips by the same factor
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
                 optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
                 timer.mark("optimizer")
                 scheduler.step()

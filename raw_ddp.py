@@ -384,6 +384,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
                 timer.mark("backward")
+                if recipe.grad_clip_norm:  # on the averaged gradient, so every rank clips by the same factor
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
                 optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
                 timer.mark("optimizer")
                 scheduler.step()

@@ -41,6 +41,7 @@ class Recipe:
     nesterov: bool = False            # Nesterov momentum (needs momentum > 0)
     weight_decay: float = 0.0         # L2 penalty on conv/linear weights (never on BatchNorm or biases)
     label_smoothing: float = 0.0      # CrossEntropyLoss label smoothing
+    grad_clip_norm: float = 0.0       # clip the averaged gradient's global L2 norm to this (0 = off)
     # --- numerics and data
     precision: str = "fp32"           # fp32 | bf16 (autocast; weights and optimizer stay fp32)
     channels_last: bool = False       # NHWC memory layout for the model and its inputs
@@ -129,7 +130,7 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"base_lr must be a positive number (got {r.base_lr})")
     if not 0.0 <= r.target_accuracy <= 1.0:
         problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
-    for key in ("momentum", "weight_decay", "label_smoothing", "warmup_epochs"):
+    for key in ("momentum", "weight_decay", "label_smoothing", "warmup_epochs", "grad_clip_norm"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
     if r.nesterov and r.momentum == 0:

@@ -136,3 +136,17 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
                       torch.bfloat16, tta_flip=True)
     assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
+
+
+def parameter_distance(weights_a, weights_b, width: int = 4) -> float:
+    """L2 distance between the trainable parameters (not the BatchNorm buffers) of two saved state_dicts."""
+    import torch
+    from cifar_wrn.model import WideResNet
+    a, b = torch.load(weights_a), torch.load(weights_b)
+    names = [name for name, _ in WideResNet(width=width).named_parameters()]
+    return sum(((a[n].double() - b[n].double()) ** 2).sum() for n in names).sqrt().item()
+
+
+# One plain-SGD step (baseline: no momentum, no weight decay) of 2 x 16 images at a fixed learning rate.
+ONE_STEP = ["--recipe", "baseline", "--batch-size", 16, "--epochs", 1, "--train-subset", 32,
+            "--val-subset", VAL_IMAGES, "--set", "lr_scaling=none"]

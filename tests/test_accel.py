@@ -30,7 +30,8 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import check_profile, check_metrics_of_saved_weights, wait_for_epoch, REPO, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, write_cifar
+from conftest import (check_profile, check_metrics_of_saved_weights, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
+                      VAL_IMAGES, cpu_env, finish, free_port, parameter_distance, start, write_cifar)
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
@@ -278,6 +279,18 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
+
+
+def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
+    """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
+    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
+    def one_step(name, *flags):
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
+                                   *flags, "--save", tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one_step("start.pt", "--base-lr", 1e-12)
+    one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
+    assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)

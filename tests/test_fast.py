@@ -10,7 +10,8 @@ from cifar_wrn.data import CIFAR10, DeviceBatches, load_split, random_crop_flip
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import check_metrics_of_saved_weights, TINY, TRAIN_IMAGES, VAL_IMAGES, raw_ddp as run_raw
+from conftest import (check_metrics_of_saved_weights, ONE_STEP, TINY, TRAIN_IMAGES, VAL_IMAGES, parameter_distance,
+                      raw_ddp as run_raw)
 
 
 def coordinate_images(n: int) -> torch.Tensor:
@@ -98,6 +99,17 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
+
+
+def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
+    """One SGD step at learning rate 1 with grad_clip_norm=0.001 moves the parameters by exactly 0.001 (L2):
+    the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
+    def one_step(name, *flags):
+        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, *flags, "--save", tmp_path / name)
+        assert result.returncode == 0, result.stderr
+    one_step("start.pt", "--base-lr", 1e-12)
+    one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
+    assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
 
 
 def test_sync_bn_on_cpu_is_refused():

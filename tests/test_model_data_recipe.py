@@ -148,6 +148,7 @@ def test_recipe_overrides_are_typed():
     ({"precision": "fp8"}, "precision must be one of"),
     ({"batch_size": 0}, "batch_size must be >= 1"),
     ({"target_accuracy": 85}, "target_accuracy is a fraction"),
+    ({"grad_clip_norm": -1}, "grad_clip_norm must be >= 0"),
 ])
 def test_bad_overrides_are_rejected(overrides, message):
     with pytest.raises(RecipeError, match=message):

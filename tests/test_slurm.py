@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "tests" / "fake_slurm"
 SLURM = REPO / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
-SHELL_FILES = SCRIPTS + sorted(SLURM.glob("*.sh"))
+SHELL_FILES = SCRIPTS + sorted(SLURM.glob("*.sh")) + sorted((REPO / "bench").glob("*.sh"))
 HARD_TIMEOUT = 240  # seconds for one fake job
 TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
 

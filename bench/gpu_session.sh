@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every GPU check of the challenge (issue #5) in one call of under 10 minutes, for a session that is
+# lent one GPU for a few minutes. Each step has its own time limit and the whole script a deadline,
+# so a slow step costs its own numbers, never the others'. Everything printed goes to
+# $OUT/session.log (default runs/gpu_session/); copy the tables into docs/benchmarks.md.
+#
+#   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
+#   bash bench/gpu_session.sh "$(git rev-parse --short HEAD)"      # on the GPU machine, .device_data carried
+#
+# Order = priority: the fast recipe to the criterion, 2 baseline epochs, the per-step ablation,
+# the data pipeline, then torch.compile and the 2-GPU global batch (512) on one GPU.
+# DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-runs/gpu_session}
+DATA=${DATA:-data}
+DEADLINE=${DEADLINE:-560}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/session.log") 2>&1
+export PYTHONUNBUFFERED=1
+
+# step NAME LIMIT CMD...: run CMD with at most LIMIT seconds, and never past the deadline.
+step() {
+    local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
+    shift 2
+    if ((left < 20)); then echo "=== $name: skipped, ${left}s left before the deadline"; return; fi
+    ((limit > left)) && limit=$left
+    echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
+    timeout --kill-after=10 "$limit" "$@"
+    echo "=== $name: exit $? after $((SECONDS))s in all"
+}
+
+echo "commit: ${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}   date: $(date -u +%F)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'accelerate', accelerate.__version__)"
+
+if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
+    step prepare_data 90 python3 .device_data/prepare_cifar10.py "$DATA"
+fi
+
+step fast_to_target 150 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast
+step baseline_2_epochs 120 python3 raw_ddp.py --data-dir "$DATA" --num-gpus 1 --recipe baseline --epochs 2
+step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
+step data_pipeline 40 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 200
+step fast_compile 150 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set compile=true
+step fast_batch512 120 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=512
+echo "=== done at t=${SECONDS}s"
