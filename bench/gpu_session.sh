@@ -7,8 +7,9 @@
 #   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
 #   bash bench/gpu_session.sh "$(git rev-parse --short HEAD)"      # on the GPU machine, .device_data carried
 #
-# Order = priority: the fast recipe to the criterion, 2 baseline epochs, the per-step ablation,
-# the data pipeline, then torch.compile and the 2-GPU global batch (512) on one GPU.
+# Order = priority: the fast recipe to the criterion, 2 baseline epochs, a small sweep of the epoch
+# budget and peak rate at the 2-GPU global batch (512), the per-step ablation, the data pipeline,
+# then torch.compile.
 # DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -38,10 +39,17 @@ if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
     step prepare_data 90 python3 .device_data/prepare_cifar10.py "$DATA"
 fi
 
-step fast_to_target 150 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast
-step baseline_2_epochs 120 python3 raw_ddp.py --data-dir "$DATA" --num-gpus 1 --recipe baseline --epochs 2
-step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
-step data_pipeline 40 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 200
-step fast_compile 150 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set compile=true
-step fast_batch512 120 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=512
+step fast_to_target 120 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast
+step baseline_2_epochs 100 python3 raw_ddp.py --data-dir "$DATA" --num-gpus 1 --recipe baseline --epochs 2
+# The epoch budget and peak rate with 512 images per step (the 2x A30 global batch) on one GPU: the
+# recipe's convergence was only ever checked on the CPU, for a 3-epoch budget (docs/benchmarks.md).
+for setting in "epochs=4" "epochs=6" "epochs=4 base_lr=0.4" "epochs=6 base_lr=0.4"; do
+    sets=()
+    for kv in $setting; do sets+=(--set "$kv"); done
+    step "fast_b512_${setting// /_}" 80 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 \
+        --recipe fast --set batch_size=512 "${sets[@]}"
+done
+step train_step 50 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
+step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 200
+step fast_compile 120 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set compile=true
 echo "=== done at t=${SECONDS}s"

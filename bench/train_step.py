@@ -50,6 +50,8 @@ def setup(recipe, batch_size, device, images, labels):
             loss = criterion(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if recipe.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
         optimizer.step()
     return step
 
