@@ -70,6 +70,9 @@ def worker(rank: int, port: int, out: str):
         moved = (flat(single) - flat(bn_free_model())).abs().max().item()
         with open(out, "w") as f:
             json.dump({"identical": bool(identical), "max_diff_vs_single": diff, "max_change": moved}, f)
+    # Tear down together: rank 1 would otherwise destroy its gloo group while rank 0 is still busy
+    # above, and gloo can then abort at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
