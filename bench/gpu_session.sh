@@ -5,7 +5,8 @@
 # $OUT/session.log (default runs/gpu_session/); copy the tables into docs/benchmarks.md.
 #
 #   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
-#   bash bench/gpu_session.sh "$(git rev-parse --short HEAD)"      # on the GPU machine, .device_data carried
+#   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
+#   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data), with that commit
 #
 # Order = priority: the fast recipe to the criterion, 2 baseline epochs, a small sweep of the epoch
 # budget and peak rate at the 2-GPU global batch (512), the per-step ablation, the data pipeline,
