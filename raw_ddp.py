@@ -48,8 +48,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoint, resume_problem, save_atomic
 from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, ignore_stop_signal, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
-from cifar_wrn.errors import UserError
-from cifar_wrn.profiling import PhaseTimer, profile_table
+from cifar_wrn.errors import RunStopped, UserError
+from cifar_wrn.profiling import PhaseTimer, backward_seconds, profile_table, state_restored
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
 from cifar_wrn.cli import add_training_flags, recipe_from_args
 from cifar_wrn.recipe import as_dict, build_optimizer, build_scheduler, scaled_lr
@@ -485,43 +485,16 @@ def allreduce_cost(model: DDP, raw_model, images, labels, criterion, autocast_dt
     """Seconds per step that gradient synchronisation adds to backward (--profile): the same batch's
     backward timed with DDP's all-reduce and inside model.no_sync() (no all-reduce). All ranks must
     call it together. BatchNorm statistics, random state and gradients are put back as they were."""
-    buffers = [b.clone() for b in raw_model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    def forward():
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            return criterion(model(images), labels)
 
-    def backward_seconds(sync: bool) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            with contextlib.nullcontext() if sync else model.no_sync():  # no_sync: forward and backward inside
-                with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
-                                    enabled=autocast_dtype is not None):
-                    loss = criterion(model(images), labels)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                loss.backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - t0)
+    with state_restored(raw_model, device):
+        seconds = []
+        for context in (contextlib.nullcontext, model.no_sync):  # with the all-reduce, then without it
+            seconds.append(backward_seconds(forward, lambda loss: loss.backward(), context, device, repeats))
             model.zero_grad(set_to_none=True)
-        return best
-
-    cost = backward_seconds(sync=True) - backward_seconds(sync=False)
-    with torch.no_grad():
-        for saved, buffer in zip(buffers, raw_model.buffers()):
-            buffer.copy_(saved)
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state(cuda_rng, device)
-    return max(cost, 0.0)
-
-
-class RunStopped(Exception):
-    """Every rank stops together at the same step; rank 0 prints why; all exit with `status`."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
+    return max(seconds[0] - seconds[1], 0.0)
 
 
 def run_process(local_rank: int, args, recipe) -> None:

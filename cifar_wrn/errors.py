@@ -1,4 +1,4 @@
-"""The one exception type the entry points print as a plain message (no traceback)."""
+"""The exceptions the entry points turn into a plain message (no traceback) and an exit status."""
 
 
 class UserError(Exception):
@@ -7,3 +7,11 @@ class UserError(Exception):
     Entry points catch it, print `error: <message>` and exit with status 2. Everything else is a
     bug or a crash and is reported with its traceback.
     """
+
+
+class RunStopped(Exception):
+    """Every rank stops together at the same step; rank 0 prints why; all exit with `status`."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status

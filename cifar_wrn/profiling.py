@@ -6,6 +6,7 @@ synchronisation until the epoch ends); on the CPU they are perf_counter readings
 synchronous; DDP's backward returns only after its all-reduce has finished). When profiling is off
 the timer is disabled and each call returns at once.
 """
+import contextlib
 import time
 
 import torch
@@ -58,3 +59,38 @@ def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None,
     if comm_estimate is not None:
         lines.append(f"    {'all-reduce cost estimate (no_sync)':36s}{comm_estimate:8.3f}  {100 * comm_estimate / epoch_time:5.1f}%")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def state_restored(raw_model: torch.nn.Module, device: torch.device):
+    """Put the BatchNorm buffers and the random state back on exit: an extra measurement (--profile's
+    all-reduce estimate) must not change what the run does next."""
+    buffers = [b.clone() for b in raw_model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for saved, buffer in zip(buffers, raw_model.buffers()):
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def backward_seconds(forward, backward, context, device: torch.device, repeats: int) -> float:
+    """Best of `repeats` timings of backward(forward()), forward and backward inside context() (DDP's
+    no_sync, say); only the backward is timed. Gradients are set to None afterwards by the caller."""
+    best = float("inf")
+    for _ in range(repeats):
+        with context():
+            loss = forward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            backward(loss)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
