@@ -60,12 +60,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.checkpoint import check_writable, resume_problem
 from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate,
                             how_to_provide, ignore_stop_signal, load_split, real_sample_mask)
+from cifar_wrn.ema import build_ema, evaluated_network
 from cifar_wrn.errors import RunStopped, UserError
 from cifar_wrn.profiling import PhaseTimer, backward_seconds, profile_table, state_restored
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
@@ -367,8 +367,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
         # The model the epoch loop evaluates and --save writes: the weights, or their moving average. Made before
         # prepare(), so that the copy is a plain WideResNet (prepare gives the model an autocast forward).
-        ema_model = None if recipe.ema_decay == 0 else AveragedModel(
-            model, multi_avg_fn=get_ema_multi_avg_fn(recipe.ema_decay), use_buffers=True)
+        ema_model = None if recipe.ema_decay == 0 else build_ema(model, recipe.ema_decay)  # warms up
         # Linear LR scaling: each step averages gradients over global_batch_size images.
         lr = scaled_lr(recipe, global_batch_size)
         optimizer = build_optimizer(model, recipe, lr)
@@ -567,7 +566,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             # =============================================================== evaluate
             # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the
             # last step each rank's differ by one update. Take rank 0's, the ones --save writes.
-            broadcast(list(eval_model.buffers()), from_process=0)
+            # (Only the network's buffers: an EMA's update counter is the same on every rank.)
+            broadcast(list(evaluated_network(eval_model).buffers()), from_process=0)
             if on_device:  # the explicit DistributedSampler: sums over this rank's real samples, as raw_ddp.py
                 totals = evaluate(eval_model, val_loader, val_mask, device, autocast_dtype, tta_flip=recipe.tta_flip)
                 # A1.9: summing the sums and the counts over ranks keeps their ratio exact.

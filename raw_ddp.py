@@ -42,12 +42,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoint, resume_problem, save_atomic
 from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, ignore_stop_signal, download_cifar10, evaluate, how_to_provide, load_split,
                             real_sample_mask)
+from cifar_wrn.ema import build_ema, evaluated_network
 from cifar_wrn.errors import RunStopped, UserError
 from cifar_wrn.profiling import PhaseTimer, backward_seconds, profile_table, state_restored
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
@@ -259,8 +259,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         raw_model = model.module  # the plain WideResNet: for evaluation and saving
         # The model the epoch loop evaluates and --save writes: the weights, or their moving average.
-        eval_model = raw_model if recipe.ema_decay == 0 else AveragedModel(
-            raw_model, multi_avg_fn=get_ema_multi_avg_fn(recipe.ema_decay), use_buffers=True)
+        eval_model = raw_model if recipe.ema_decay == 0 else build_ema(raw_model, recipe.ema_decay)  # warms up
         train_model = torch.compile(model) if recipe.compile else model
         # A different random stream per rank for augmentation and dropout: identical streams would
         # crop and drop the same way on every rank and waste part of the extra data.
@@ -437,7 +436,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             # =============================================================== evaluate
             # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the
             # last step each rank's differ by one update. Take rank 0's, the ones --save writes.
-            for buffer in eval_model.buffers():
+            # (Only the network's buffers: an EMA's update counter is the same on every rank.)
+            for buffer in evaluated_network(eval_model).buffers():
                 dist.broadcast(buffer, src=0)
             totals = evaluate(eval_model, val_loader, val_mask, device, autocast_dtype,  # [loss sum, correct, count]
                               tta_flip=recipe.tta_flip)
@@ -474,8 +474,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
 
         # =================================================================== teardown
         if is_main and args.save:
-            weights = eval_model.module if eval_model is not raw_model else raw_model  # AveragedModel wraps a copy
-            torch.save(weights.state_dict(), args.save)  # no "module." prefix: loads into WideResNet
+            torch.save(evaluated_network(eval_model).state_dict(), args.save)  # no "module." prefix: loads into WideResNet
         log.close()
     finally:
         dist.destroy_process_group()  # R1.3
