@@ -62,11 +62,12 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import check_writable, resume_problem
+from cifar_wrn.checkpoint import (check_writable, load_accelerator_state, read_training_state, resume_disagreement,
+                                  resume_problem, save_training_state, what_was_seen)
 from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate,
-                            how_to_provide, ignore_stop_signal, load_split, real_sample_mask)
+                            ignore_stop_signal, load_splits, real_sample_mask)
 from cifar_wrn.ema import build_ema, evaluated_network
-from cifar_wrn.errors import RunStopped, UserError
+from cifar_wrn.errors import RunStopped, UserError, agreed_problem
 from cifar_wrn.profiling import PhaseTimer, backward_seconds, profile_table, state_restored
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
 from cifar_wrn.cli import add_training_flags, recipe_from_args
@@ -113,7 +114,8 @@ def request_stop(signum, frame) -> None:
 
 
 # A checkpoint is a folder written by accelerator.save_state (model, optimizer, scheduler, every rank's random
-# state, and the registered objects: TrainingState, the EMA model) plus DIR/LATEST, a one-line file naming the
+# state) and training_state.pt (the run's position, history, recipe and EMA weights: a plain dict, see
+# cifar_wrn/checkpoint.py for why it is not registered with Accelerate) plus DIR/LATEST, a one-line file naming the
 # folder. save_state writes into DIR/.incomplete; only when every rank has finished is it renamed to state-<n> and
 # LATEST replaced (os.replace, atomic), so a failed or interrupted write leaves the previous checkpoint in force.
 LATEST = "LATEST"
@@ -156,25 +158,6 @@ def publish_checkpoint(directory, incomplete: str) -> str:
     if previous:
         shutil.rmtree(previous, ignore_errors=True)
     return folder
-
-
-class TrainingState:
-    """What save_state does not know about: where the run is, what it measured, and who wrote it. Registered with
-    accelerator.register_for_checkpointing, so save_state/load_state write and read it (custom_checkpoint_0.pkl)."""
-
-    def __init__(self):
-        self.values = {}
-
-    def state_dict(self) -> dict:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.values = dict(state)
-
-
-def read_training_state(folder) -> dict:
-    """TrainingState of a checkpoint folder, read before load_state: resume_problem checks it first."""
-    return torch.load(os.path.join(folder, "custom_checkpoint_0.pkl"), map_location="cpu", weights_only=False)
 
 
 def launcher_world_size() -> int | None:
@@ -252,8 +235,9 @@ def check_world_size(accelerator: Accelerator) -> None:
 def train_process(args: argparse.Namespace, recipe) -> None:
     """Everything one process does, from joining the group to leaving it. The launcher runs it once per GPU."""
     signal.signal(signal.SIGUSR1, request_stop)  # sent to the ranks directly (see docs/accelerate.md, Preemption)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        signal.signal(signal.SIGTERM, request_stop)  # torchrun's agent passes SIGTERM on to its workers
+    # SIGTERM too: torchrun's agent passes it on to its workers, and Slurm sends it to every process of the step
+    # (scancel, the time limit, a preemption). Dying of it would lose the epoch.
+    signal.signal(signal.SIGTERM, request_stop)
     # A1.2 + A1.3 + A1.7: Accelerator() reads RANK/WORLD_SIZE/LOCAL_RANK from the launcher's environment,
     # joins the process group (nccl, or gloo on the CPU) and picks this process's device, cuda:<local_rank>.
     try:
@@ -310,10 +294,12 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 problem = download_cifar10(args.data_dir)
                 if problem:
                     accelerator.print(f"rank {rank}: {problem}", file=sys.stderr, flush=True)  # once per node
-        if not dataset_present(args.data_dir):
-            raise UserError(how_to_provide(args.data_dir))  # every rank stops with the same message
-        train_data = load_split(args.data_dir, train=True, subset=args.train_subset)
-        val_data = load_split(args.data_dir, train=False, subset=args.val_subset)
+        train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
+        # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
+        # waiting in prepare()'s DDP constructor (a collective) until --dist-timeout. So all ranks share their answer.
+        problems = gather_object([problem and f"node {rank // local_processes}: {problem}"])
+        if agreed_problem(problems):
+            raise UserError(agreed_problem(problems))  # every rank stops, naming the node(s) and folder(s)
 
         per_device_batch_size = recipe.batch_size
         global_batch_size = per_device_batch_size * world_size
@@ -386,24 +372,33 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # evaluation of the EMA copy
 
         # Checkpoints: save_state/load_state handle the prepared model, optimizer, scheduler and every rank's
-        # random state; these two objects ride along (register_for_checkpointing: saved and loaded in this order).
-        training_state = TrainingState()
-        accelerator.register_for_checkpointing(training_state)
-        if ema_model is not None:
-            accelerator.register_for_checkpointing(ema_model)
+        # random state; the rest, EMA weights included, is a plain dict in training_state.pt beside them (nothing
+        # is registered for checkpointing: load_state would unpickle it with weights_only=False).
 
         # Where this run starts: from scratch, or where a checkpoint left off.
         start_epoch, start_step, epoch_time_so_far = 0, 0, 0.0  # the epoch to run, steps of it already done
         cumulative_time, history, streak = 0.0, [], 0  # streak: consecutive epochs at or above the target
+        data_sizes = {"train_images": len(train_set), "val_images": len(val_set), "steps_per_epoch": steps_per_epoch}
         resume_from = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
-        if args.resume and resume_from is None:
-            raise UserError(f"--resume: no checkpoint in {args.checkpoint_dir}")
-        if resume_from:
-            problem = resume_problem(read_training_state(resume_from), as_dict(recipe), world_size, args.model_width)
+        if args.resume or args.auto_resume:
+            # Each rank reads the checkpoint; rank 0's decides, and every rank must see the same one (or none):
+            # never resume some ranks while others start from scratch.
+            state, problem = None, None
+            if resume_from is None and args.resume:
+                problem = f"--resume: no checkpoint in {args.checkpoint_dir}"
+            if resume_from:
+                try:
+                    state = read_training_state(resume_from)
+                    problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data_sizes)
+                except UserError as exc:
+                    problem = str(exc)
+            problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
             if problem:
-                raise UserError(f"cannot resume from {resume_from}: {problem}")
-            accelerator.load_state(resume_from)  # every rank reads the weights and its own random state
-            state = training_state.values
+                raise UserError(f"cannot resume from {resume_from or args.checkpoint_dir}: {problem}")
+        if resume_from and (args.resume or args.auto_resume):
+            load_accelerator_state(accelerator, resume_from)  # every rank reads the weights and its own random state
+            if ema_model is not None:
+                ema_model.load_state_dict(state["ema"])
             if on_device:
                 train_set.generator.set_state(state["pipeline"][rank])
             start_epoch, start_step, epoch_time_so_far = state["epoch"], state["step"], state["epoch_time_so_far"]
@@ -417,11 +412,12 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         def save_checkpoint(epoch: int, step: int, epoch_time_so_far: float, finished: bool = False) -> None:
             """All ranks: save_state into DIR/.incomplete, then the main process publishes it (publish_checkpoint)."""
             pipeline = gather_object([train_set.generator.get_state() if on_device else None])  # every rank's
-            training_state.values = {
+            training_state = {
                 "epoch": epoch, "step": step, "epoch_time_so_far": epoch_time_so_far,
                 "cumulative_time": cumulative_time, "history": history, "streak": streak, "finished": finished,
                 "pipeline": pipeline, "recipe": as_dict(recipe), "world_size": world_size,
-                "model_width": args.model_width}
+                "model_width": args.model_width, **data_sizes,
+                "ema": ema_model.state_dict() if ema_model is not None else None}
             incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
             if is_main:
                 shutil.rmtree(incomplete, ignore_errors=True)  # a leftover of a write that failed
@@ -429,6 +425,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             failed = torch.zeros(1, device=device)
             try:
                 accelerator.save_state(incomplete)  # each rank writes its random state; the main one the rest
+                if is_main:
+                    save_training_state(incomplete, training_state)
                 if is_main and os.environ.get("CIFAR_WRN_TEST_ENOSPC_AT_EPOCH") == str(epoch):  # tests only
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), incomplete)
             except OSError as exc:
@@ -470,6 +468,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         if fault_rank is not None and int(fault_rank) == rank:
             raise RuntimeError(f"injected test fault in rank {rank}")
         nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")  # test-only: "rank,epoch,step" gets a NaN loss
+        stop_at = os.environ.get("CIFAR_WRN_TEST_STOP_AT", "")  # test-only: "epoch,step" acts as a stop signal
         # Every CHECK_EVERY steps, and at the end of each epoch, all ranks agree on two questions so that
         # they stop together at the same step: did any rank get a stop signal (slot 0), and at which step
         # did each rank first see a non-finite loss (slot 1 + rank, 0 = never)? Each rank writes only its own
@@ -509,6 +508,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 loss = criterion(model(images), labels)  # autocast (bf16) is inside model.forward
                 if nan_at == f"{rank},{epoch + 1},{step + 1}":
                     loss = loss * float("nan")
+                if stop_at == f"{epoch + 1},{step + 1}":
+                    request_stop(None, None)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss)  # DDP all-reduces gradient buckets here, overlapped with backward
@@ -555,9 +556,10 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 tracer.stop()
                 tracer = None
             profile = timer.totals()  # {} unless --profile
+            steps_run = steps_per_epoch - skip  # 0 after a resume at the epoch's last step
             if args.profile:  # outside the epoch's clock: a few extra backward passes on the last batch
                 comm_estimate = allreduce_cost(accelerator, model, raw_model, images, labels, criterion,
-                                               device) * (steps_per_epoch - skip)
+                                               device) * steps_run if steps_run else 0.0
 
             # A1.9: images/sec is a SUM over ranks: they work on different images at the same time.
             images_per_sec = accelerator.reduce(torch.tensor([steps_per_epoch * per_device_batch_size / epoch_time],

@@ -44,11 +44,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import check_writable, checkpoint_path, load_checkpoint, resume_problem, save_atomic
-from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, ignore_stop_signal, download_cifar10, evaluate, how_to_provide, load_split,
-                            real_sample_mask)
+from cifar_wrn.checkpoint import (check_writable, checkpoint_path, read_for_resume, resume_disagreement,
+                                  resume_problem, save_atomic, what_was_seen)
+from cifar_wrn.data import (CIFAR10, DeviceBatches, SkipFirst, dataset_present, download_cifar10, evaluate,
+                            ignore_stop_signal, load_splits, real_sample_mask)
 from cifar_wrn.ema import build_ema, evaluated_network
-from cifar_wrn.errors import RunStopped, UserError
+from cifar_wrn.errors import RunStopped, UserError, agreed_problem
 from cifar_wrn.profiling import PhaseTimer, backward_seconds, profile_table, state_restored
 from cifar_wrn.model import COURSE_WIDTH, WideResNet, count_parameters
 from cifar_wrn.cli import add_training_flags, recipe_from_args
@@ -163,8 +164,9 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
     world_size, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)  # R1.2
     is_main = rank == 0  # only rank 0 prints and writes files
     signal.signal(signal.SIGUSR1, request_stop)  # from our launcher (or directly from Slurm)
-    if launched_by_torchrun():
-        signal.signal(signal.SIGTERM, request_stop)  # torchrun passes SIGTERM on to its workers
+    # SIGTERM too: Slurm sends it to every process of the step (scancel, the time limit, a preemption),
+    # not only to the launcher, and torchrun passes it on to its workers. Dying of it would lose the epoch.
+    signal.signal(signal.SIGTERM, request_stop)
 
     # R1.7: pin this process to its own GPU, cuda:<local_rank>, before any CUDA work.
     if args.device == "cuda":
@@ -200,10 +202,13 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if problem:
                 print(f"rank {rank}: {problem}", file=sys.stderr, flush=True)
         dist.barrier()  # R1.4
-        if not dataset_present(args.data_dir):
-            raise UserError(how_to_provide(args.data_dir))  # every rank stops with the same message
-        train_data = load_split(args.data_dir, train=True, subset=args.train_subset)
-        val_data = load_split(args.data_dir, train=False, subset=args.val_subset)
+        train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
+        # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
+        # waiting in DDP's constructor (a collective) until --dist-timeout. So all ranks share their answer.
+        problems = [None] * world_size
+        dist.all_gather_object(problems, problem and f"node {args.node_id}: {problem}")
+        if agreed_problem(problems):
+            raise UserError(agreed_problem(problems))  # every rank stops, naming the node(s) and folder(s)
         on_device = recipe.data_pipeline == "device"
         if on_device:  # the whole uint8 dataset lives on this process's device; batches are cut there
             train_set = DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
@@ -276,11 +281,20 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         start_epoch, start_step, epoch_time_so_far = 0, 0, 0.0  # the epoch to run, steps of it already done
         cumulative_time, history, streak = 0.0, [], 0  # streak: consecutive epochs at or above the target
         checkpoint_file = checkpoint_path(args.checkpoint_dir) if args.checkpoint_dir else None
-        if args.resume or (args.auto_resume and checkpoint_file.is_file()):
-            checkpoint = load_checkpoint(args.checkpoint_dir)
-            problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width)
+        data_sizes = {"train_images": len(train_set), "val_images": len(val_set), "steps_per_epoch": steps_per_epoch}
+        checkpoint = None
+        if args.resume or args.auto_resume:
+            # Each rank reads the checkpoint; rank 0's decides, and every rank must see the same one (or none):
+            # never resume some ranks while others start from scratch.
+            checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
+            if checkpoint is not None:
+                problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data_sizes)
+            seen = [None] * world_size
+            dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
+            problem = resume_disagreement(seen)
             if problem:
                 raise UserError(f"cannot resume from {checkpoint_file}: {problem}")
+        if checkpoint is not None:
             raw_model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             scheduler.load_state_dict(checkpoint["scheduler"])
@@ -319,7 +333,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                          "epoch": epoch, "step": step, "epoch_time_so_far": epoch_time_so_far,
                          "cumulative_time": cumulative_time, "history": history, "streak": streak,
                          "finished": finished, "rng": every_rng, "recipe": as_dict(recipe),
-                         "world_size": world_size, "model_width": args.model_width}
+                         "world_size": world_size, "model_width": args.model_width, **data_sizes}
                 try:
                     save_atomic(state, checkpoint_file,
                                 simulate_enospc=os.environ.get("CIFAR_WRN_TEST_ENOSPC_AT_EPOCH") == str(epoch))
@@ -348,6 +362,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if fault_rank is not None and int(fault_rank) == rank:
             raise RuntimeError(f"injected test fault in rank {rank}")
         nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")  # test-only: "rank,epoch,step" gets a NaN loss
+        stop_at = os.environ.get("CIFAR_WRN_TEST_STOP_AT", "")  # test-only: "epoch,step" acts as a stop signal
         # Every CHECK_EVERY steps, and at the end of each epoch, all ranks agree on two questions so that
         # they stop together at the same step: did any rank get a stop signal (slot 0), and at which step
         # did each rank first see a non-finite loss (slot 1 + rank, 0 = never)? Between checks the flags
@@ -379,6 +394,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                     loss = criterion(train_model(images), labels)
                 if nan_at == f"{rank},{epoch + 1},{step + 1}":
                     loss = loss * float("nan")
+                if stop_at == f"{epoch + 1},{step + 1}":
+                    request_stop(None, None)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
@@ -424,9 +441,10 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 tracer.stop()
                 tracer = None
             profile = timer.totals()  # {} unless --profile
+            steps_run = steps_per_epoch - train_batches.skip  # 0 after a resume at the epoch's last step
             if args.profile:  # outside the epoch's clock: a few extra backward passes on the last batch
                 comm_estimate = allreduce_cost(model, raw_model, images, labels, criterion, autocast_dtype,
-                                               device) * (steps_per_epoch - train_batches.skip)
+                                               device) * steps_run if steps_run else 0.0
 
             # R1.9: images/sec is a SUM over ranks: they work on different images at the same time.
             images_per_sec = torch.tensor([steps_per_epoch * per_device_batch_size / epoch_time],

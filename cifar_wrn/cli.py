@@ -4,6 +4,7 @@ Launch flags differ between the two and stay in each entry point: raw_ddp.py has
 --node-id, --num-gpus and the rendezvous (R1.1); accel_train.py leaves them to `accelerate launch`.
 """
 import argparse
+import sys
 
 from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set
@@ -36,6 +37,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="a live progress bar on stderr during each epoch and validation, from rank 0: auto (the "
+                        "default) when stderr is a terminal, never in a file or pipe; on: always; off: never")
     p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
                    help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
                         f"in a real run)")
@@ -46,3 +50,110 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     overrides = parse_set(args.set)
     overrides.update({flag: getattr(args, flag) for flag in RECIPE_FLAGS if getattr(args, flag) is not None})
     return load_recipe(args.recipe, overrides)
+
+
+def show_progress(args: argparse.Namespace, is_main: bool) -> bool:
+    """Whether this process draws progress bars (cifar_wrn/progress.py): the main process only, and with
+    --progress auto only when stderr is a terminal (not a Slurm output file, a CI log or a pipe)."""
+    mode = getattr(args, "progress", "auto")
+    if not is_main or mode == "off":
+        return False
+    if mode == "on":
+        return True
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def check_training_flags(args: argparse.Namespace, writes_outputs: bool = True) -> None:
+    """The checks of the shared flags that need no process group, as one clear UserError.
+    `writes_outputs`: this process writes --save and --log-json (node 0's launcher)."""
+    for flag in ("epochs", "batch_size", "train_subset", "val_subset", "model_width"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if args.dist_timeout <= 0:
+        raise UserError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
+    for flag in ("save", "log_json"):
+        path = getattr(args, flag)
+        if path and writes_outputs and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise UserError(f"--{flag.replace('_', '-')} {path}: the folder does not exist or is not writable")
+    if (args.resume or args.auto_resume) and not args.checkpoint_dir:
+        raise UserError("--resume and --auto-resume need --checkpoint-dir")
+    if args.resume and args.auto_resume:
+        raise UserError("use either --resume (a checkpoint must exist) or --auto-resume (start fresh without one)")
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir)
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def port_from_env() -> int | None:
+    """$MASTER_PORT as a number, the default of --master-port; None when unset."""
+    return int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() else None
+
+
+# ----------------------------------------------------------------------------- what the launcher says
+# Where launchers put the number of processes they started (torchrun / accelerate launch, then MPI).
+WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launcher_world_size() -> int | None:
+    """How many processes the launcher started in all, from its environment (None: no launcher said)."""
+    for key in WORLD_SIZE_VARS:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
+
+
+def local_world_size(default: int) -> int:
+    """Processes on this node, as the launcher says (LOCAL_WORLD_SIZE), else `default`."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def launcher_name() -> str:
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # set by accelerate launch only (it runs torchrun inside)
+        return "accelerate launch"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    return "python"
+
+
+def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
+    """Why Accelerate did not join the processes the launch started (each would train alone), or None.
+    `seen`: the processes Accelerate counts; the rest describe its state, for the message."""
+    started = launcher_world_size()
+    if started is not None and started != seen:
+        return (f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
+                f"(distributed_type {distributed_type}, device {device_type}): each process would train alone. "
+                f"Without CUDA, a MULTI_GPU launch must be told to use the CPU: add --cpu after accel_train.py or "
+                f"set ACCELERATE_USE_CPU=1 (`use_cpu: true` in the config file does not reach the processes of a "
+                f"MULTI_GPU launch). See docs/accelerate.md, CPU traps.")
+    # accelerate launch's single-process launcher (distributed_type NO or MULTI_CPU, or --cpu) sets MASTER_PORT
+    # only when it was asked for more than one process; it then starts one process all the same.
+    if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):
+        return ("accelerate launch was asked for several processes but started only this one: `accelerate launch "
+                f"--cpu --num_processes N` and `distributed_type: MULTI_CPU` configs run a single process (accelerate "
+                f"{version}). For N CPU processes use `accelerate launch --config_file "
+                "accelerate_configs/two_cpus.yaml accel_train.py --cpu ...` (a MULTI_GPU config, --num_processes N). "
+                "If you meant one process and exported MASTER_PORT yourself, unset it.")
+    return None

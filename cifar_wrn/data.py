@@ -6,15 +6,18 @@ the barrier goes; this module only does the work.
 The data is read from `<data_dir>/cifar-10-batches-py/` (the official python layout: pickled
 dicts with `data` uint8 [N, 3072], rows CHW-planar, and `labels`) with pickle directly, so any
 copy in that layout loads, including the offline JPEG copy whose bytes differ from the official
-release (torchvision.datasets.CIFAR10 would refuse it on its md5 check).
+release (torchvision.datasets.CIFAR10 would refuse it on its md5 check). The unpickler is restricted
+to what those files contain (BatchUnpickler): a file on shared storage cannot run code in the trainers.
 """
+import functools
 import itertools
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
 from .errors import UserError
@@ -71,13 +74,60 @@ def download_cifar10(data_dir) -> str | None:
     return None if dataset_present(data_dir) else f"the archive from {url} did not contain {FOLDER}/"
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """A batch file asked for a Python object that CIFAR-10 batches never contain."""
+
+
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    """_codecs.encode as pickle protocols 0-2 written by Python 3 use it for bytes (the array's raw data),
+    and for nothing else: any other codec is refused."""
+    if encoding != "latin1":
+        raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
+    return text.encode("latin1")
+
+
+@functools.cache
+def _allowed_globals() -> dict:
+    """(module, name) -> object: numpy's array reconstruction, under the module names numpy 1.x and 2.x
+    write (numpy.core / numpy._core; _frombuffer for pickle protocol 5), and the latin1 encoder."""
+    import numpy
+    try:
+        from numpy._core import multiarray, numeric  # numpy >= 2
+    except ImportError:
+        from numpy.core import multiarray, numeric
+    allowed = {("numpy", "ndarray"): numpy.ndarray, ("numpy", "dtype"): numpy.dtype,
+               ("_codecs", "encode"): _latin1_encode}
+    for package in ("numpy.core", "numpy._core"):
+        allowed[(f"{package}.multiarray", "_reconstruct")] = multiarray._reconstruct
+        allowed[(f"{package}.numeric", "_frombuffer")] = numeric._frombuffer
+    return allowed
+
+
+class BatchUnpickler(pickle.Unpickler):
+    """pickle.Unpickler for CIFAR-10 batch files, which hold a dict of str keys, lists of ints and strs,
+    and one numpy uint8 array. Plain values need no global; every global (a class or function to call)
+    goes through find_class, which hands out only what rebuilds a numpy array. Anything else (os.system,
+    builtins.eval, ...) is refused before it is called, so a crafted file cannot run code. The C unpickler
+    does the work: a handful of find_class calls per file, the same speed as pickle.load."""
+
+    def find_class(self, module: str, name: str):
+        allowed = _allowed_globals().get((module, name))
+        if allowed is None:
+            raise RefusedGlobal(f"{module}.{name}")
+        return allowed
+
+
 def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Read and validate one pickled batch file; every problem names the file."""
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="latin1")
+            batch = BatchUnpickler(f, encoding="latin1").load()
     except FileNotFoundError:
         raise DataError(f"{path} is missing. " + how_to_provide(path.parent.parent)) from None
+    except RefusedGlobal as exc:
+        raise DataError(f"{path} is not a CIFAR-10 batch file: it asks for {exc}, which the official files never "
+                        f"contain. It was not loaded (nothing in it ran); replace {path.parent} with a copy "
+                        f"from a source you trust") from None
     except Exception as exc:
         raise DataError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or corrupt: "
                         f"delete {path.parent} and provide the data again") from None
@@ -118,6 +168,52 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     return images, labels
 
 
+def load_splits(data_dir, train_subset: int | None, val_subset: int | None):
+    """(train split, validation split, None), or (None, None, why not). The entry points share every
+    rank's answer before anyone goes on, so a node without the data stops every node, not only itself."""
+    try:
+        return load_split(data_dir, True, train_subset), load_split(data_dir, False, val_subset), None
+    except DataError as exc:
+        return None, None, str(exc)
+
+
+def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
+    """The training and validation datasets of the recipe's pipeline: `device` keeps the whole uint8
+    dataset on this process's device and cuts augmented batches there (DeviceBatches, one random stream
+    per rank: seed + rank); `dataloader` transforms one image at a time on the CPU (CIFAR10)."""
+    if recipe.data_pipeline == "device":
+        return (DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
+                              channels_last=recipe.channels_last),
+                DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last))
+    return CIFAR10(*train_data, augment=recipe.augment), CIFAR10(*val_data, augment=False)
+
+
+def worker_options(recipe, device) -> dict:
+    """DataLoader options of the per-image pipeline: worker processes feed a GPU (pinned memory for the
+    copy); on a CPU run they would only take cores from training. Workers ignore stop signals."""
+    num_workers = recipe.num_workers if device.type == "cuda" else 0
+    return dict(num_workers=num_workers, pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+                worker_init_fn=ignore_stop_signal)
+
+
+@dataclass
+class Loaders:
+    """What the epoch loop needs of the data; each entry point's build_data fills it in."""
+    train_set: Dataset
+    train_loader: DataLoader
+    val_loader: DataLoader
+    val_images: int
+    steps_per_epoch: int
+    train_sampler: DistributedSampler | None = None  # None: Accelerate's prepared loader reshuffles itself
+    train_batches: "SkipFirst | None" = None         # None: Accelerate skips batches with skip_first_batches
+    val_mask: torch.Tensor | None = None             # None: Accelerate's gather_for_metrics drops the padding
+
+    def sizes(self) -> dict:
+        """What a checkpoint records of the data, and a resume must match."""
+        return {"train_images": len(self.train_set), "val_images": self.val_images,
+                "steps_per_epoch": self.steps_per_epoch}
+
+
 class CIFAR10(Dataset):
     """uint8 images in memory -> normalised float images; training adds the standard augmentation
     (random crop with 4-pixel zero padding, horizontal flip), one image at a time on the CPU."""
@@ -151,9 +247,11 @@ class SkipFirst(Sampler):
 
 def ignore_stop_signal(worker_id: int) -> None:
     """DataLoader worker_init_fn: a stop request (SIGUSR1, which srun sends to every process of a job
-    step) is for the training ranks, not for their loader workers, which would die of it."""
+    step) or SIGTERM (which slurmstepd sends to every process of the step at scancel or the time limit)
+    is for the training ranks, not for their loader workers, which would die of it."""
     import signal
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
@@ -168,9 +266,14 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None, tta_flip: bool = False) -> torch.Tensor:
+def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False,
+             gather=None) -> torch.Tensor:
     """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
     With tta_flip, the logits are the mean over each image and its mirror image (test-time augmentation).
+
+    `mask` says which samples are real (a DistributedSampler pads with repeats). Or, with mask None,
+    `gather` is a collective the entry point passes in (Accelerate's gather_for_metrics): it collects
+    every rank's per-image results of each batch and drops the padding itself.
 
     Returns float64 [loss_sum, correct, count] on `device`. Sums, not means, so that the entry point
     can combine ranks exactly: the ratio of reduced sums is the true mean over all images.
@@ -179,18 +282,21 @@ def evaluate(model, loader, mask: torch.Tensor, device, autocast_dtype=None, tta
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     offset = 0
     for images, labels in loader:
-        n = len(labels)
-        keep = mask[offset:offset + n].to(device)
-        offset += n
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             logits = model(images)
             if tta_flip:
                 logits = (logits + model(images.flip(3))) / 2
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
-        totals[0] += loss[keep].double().sum()
-        totals[1] += (logits.argmax(1) == labels)[keep].sum()
-        totals[2] += keep.sum()
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none").double()
+        correct = (logits.argmax(1) == labels).double()
+        if gather is not None:
+            loss, correct = gather((loss, correct))
+        else:
+            keep = mask[offset:offset + len(labels)].to(device)
+            offset += len(labels)
+            loss, correct = loss[keep], correct[keep]
+        totals += torch.stack([loss.sum(), correct.sum(), torch.tensor(len(correct), dtype=torch.float64,
+                                                                       device=device)])
     return totals
 
 

@@ -15,9 +15,13 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
 class PhaseTimer:
-    def __init__(self, device: torch.device, enabled: bool):
+    """--profile's phase times, and --trace's torch.profiler (started here, stepped by each "other" mark,
+    stopped by the first totals(): the trace covers steps 3-5 of the first epoch this process runs)."""
+
+    def __init__(self, device: torch.device, enabled: bool, trace_dir: str | None = None, rank: int = 0):
         self.enabled, self.cuda = enabled, device.type == "cuda"
         self.marks = []
+        self.tracer = start_tracer(trace_dir, device, rank)
 
     def _now(self):
         if self.cuda:
@@ -34,9 +38,14 @@ class PhaseTimer:
         """The phase that has just ended (the time since the previous mark belongs to it)."""
         if self.enabled:
             self.marks.append((phase, self._now()))
+        if phase == "other" and self.tracer:  # the step's last mark
+            self.tracer.step()
 
     def totals(self) -> dict:
         """Seconds per phase since start(); synchronises the GPU once."""
+        if self.tracer:
+            self.tracer.stop()
+            self.tracer = None
         if not self.enabled:
             return {}
         if self.cuda:
@@ -59,6 +68,39 @@ def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None,
     if comm_estimate is not None:
         lines.append(f"    {'all-reduce cost estimate (no_sync)':36s}{comm_estimate:8.3f}  {100 * comm_estimate / epoch_time:5.1f}%")
     return "\n".join(lines)
+
+
+def start_tracer(trace_dir: str | None, device: torch.device, rank: int):
+    """--trace DIR: a torch.profiler trace of steps 3-5 of this rank (every kernel; for TensorBoard or
+    Perfetto), started; None without --trace. Call .step() after each step and .stop() after the epoch."""
+    if not trace_dir:
+        return None
+    tracer = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
+        schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir, worker_name=f"rank{rank}"))
+    tracer.start()
+    return tracer
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter once the GPU has finished what it was told: the clock measures work, not launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, repeats: int = 3) -> float:
+    """Seconds per step that gradient synchronisation adds to backward (--profile): the same batch's
+    backward timed with DDP's all-reduce and inside no_sync() (no all-reduce). All ranks must call it
+    together. BatchNorm statistics, random state and gradients are put back as they were."""
+    with state_restored(raw_model, device):
+        seconds = []
+        for context in (contextlib.nullcontext, no_sync):  # with the all-reduce, then without it
+            seconds.append(backward_seconds(forward, backward, context, device, repeats))
+            zero_grad(set_to_none=True)
+    return max(seconds[0] - seconds[1], 0.0)
 
 
 @contextlib.contextmanager

@@ -95,7 +95,12 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
         known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
         raise RecipeError(f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known)}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is a YAML file of "
+                          f"key: value lines") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -130,9 +135,17 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"base_lr must be a positive number (got {r.base_lr})")
     if not 0.0 <= r.target_accuracy <= 1.0:
         problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
-    for key in ("momentum", "weight_decay", "label_smoothing", "warmup_epochs", "grad_clip_norm"):
+    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
+    # momentum 1 never forgets a gradient (the steps grow without bound); label_smoothing 1 leaves no label
+    for key in ("momentum", "label_smoothing"):
+        if not 0.0 <= getattr(r, key) < 1.0:
+            problems.append(f"{key} must be in [0, 1) (got {getattr(r, key)})")
+    if r.lr_schedule == "warmup_linear" and r.warmup_epochs > r.epochs:
+        problems.append(f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
+                        f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
+                        f"and never decay; lower warmup_epochs or raise epochs")
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
@@ -184,3 +197,22 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
         return max(0.0, (total - step) / max(1, total - warmup))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size: int, steps_per_epoch: int):
+    """(lr, optimizer, scheduler, criterion) of a run: the linearly scaled rate, SGD, the per-step
+    schedule, and the loss (cross-entropy with the recipe's label smoothing)."""
+    lr = scaled_lr(recipe, global_batch_size)
+    optimizer = build_optimizer(raw_model, recipe, lr)
+    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
+    return lr, optimizer, scheduler, torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+
+
+def check_supported(recipe: Recipe, supported: frozenset, trainer: str) -> None:
+    """Refuse a recipe that sets a key `trainer` does not implement (rather than train without it)."""
+    defaults = Recipe()
+    unsupported = [f"{name}={getattr(recipe, name)!r}" for name in FIELDS
+                   if name not in supported and getattr(recipe, name) != getattr(defaults, name)]
+    if unsupported:
+        raise RecipeError(f"recipe key(s) {', '.join(unsupported)} are not implemented by {trainer} (raw_ddp.py "
+                          f"only); use a recipe that leaves them at their defaults")

@@ -1,8 +1,11 @@
 """What a run writes: the course-style epoch line and a JSON-lines log (header, then one object per epoch)."""
+import dataclasses
 import json
 import platform
 import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,9 +33,65 @@ def epoch_line(m: dict) -> str:
             f"Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}")
 
 
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint stores besides the weights (under these same keys)."""
+    epoch: int = 0                    # the epoch to run next (0-based) ...
+    step: int = 0                     # ... and how many of its steps are already done (a mid-epoch checkpoint)
+    epoch_time_so_far: float = 0.0    # training seconds of those steps
+    cumulative_time: float = 0.0      # training seconds of every finished epoch (validation excluded)
+    history: list = field(default_factory=list)  # each finished epoch's metrics
+    streak: int = 0                   # consecutive epochs at or above the target accuracy
+
+    @classmethod
+    def of(cls, checkpoint: dict) -> "Progress":
+        return cls(**{f.name: checkpoint[f.name] for f in dataclasses.fields(cls)})
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def mid_epoch(self, steps_done: int, seconds: float) -> "Progress":
+        """The position after `steps_done` steps of the current epoch (for a checkpoint on a stop signal)."""
+        return dataclasses.replace(self, step=steps_done, epoch_time_so_far=seconds)
+
+    def end_epoch(self, metrics: dict, target_accuracy: float, patience: int) -> bool:
+        """Record a finished epoch; True when the target was met `patience` epochs in a row. Every rank
+        holds the same all-reduced accuracy, so every rank takes the same decision."""
+        self.history.append(metrics)
+        self.streak = self.streak + 1 if metrics["val_accuracy"] >= target_accuracy else 0
+        self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
+        return self.streak >= patience
+
+
+def final_line(progress: Progress, recipe, stopped_early: bool) -> str:
+    """Rank 0's last line: the target met `patience` epochs in a row, or not within the budget."""
+    if stopped_early:
+        return f"Early stopping after epoch {progress.epoch}"
+    return (f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row within "
+            f"{recipe.epochs} epochs")
+
+
 def run_header(**fields) -> dict:
     return {"kind": "header", "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": platform.node(),
             "git_commit": git_commit(), "torch_version": torch.__version__, **fields}
+
+
+def open_run_log(path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int,
+                 **launch) -> "JsonLog":
+    """Rank 0's JSON-lines log (path None on the other ranks; appended to after a resume), opened with its
+    header: how the run was launched (`launch`), its data, model, learning rate and resolved recipe,
+    the git commit and torch version."""
+    from .model import COURSE_WIDTH, count_parameters
+    log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
+    log.write(run_header(
+        world_size=world_size, **launch, per_device_batch_size=recipe.batch_size,
+        global_batch_size=recipe.batch_size * world_size, lr=lr, steps_per_epoch=data.steps_per_epoch,
+        train_images=len(data.train_set), val_images=data.val_images, model_width=model_width,
+        model_parameters=count_parameters(raw_model), recipe=dataclasses.asdict(recipe), argv=sys.argv,
+        resumed_at={"epoch": progress.epoch + 1, "step": progress.step} if progress.epoch or progress.step else None))
+    if path and model_width != COURSE_WIDTH:
+        print(f"note: --model-width {model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
+    return log
 
 
 class JsonLog:

@@ -260,13 +260,15 @@ run_logged() {
 #
 # The accel_* scripts (accel_train.py under `accelerate launch`) call accel_preemption_setup
 # and differ in two places, because SIGUSR1 must never reach an `accelerate launch` process (it
-# kills the launcher and orphans its ranks; real and fake srun would pass it to every process of
-# the step): (1) the stop is passed on through a file, STOP_FILE (runs/<job id>/stop-request): the
-# shell writes "stop" into it, and on every node launch_stoppable, which runs `accelerate launch`
+# kills the launcher and orphans its ranks; srun would pass it to every process of the step):
+# (1) the stop is passed on through a file, STOP_FILE (runs/<job id>/stop-request): the shell
+# writes "stop" into it, and on every node launch_stoppable, which runs `accelerate launch`
 # there, reads it every second and sends its launcher SIGTERM (torchrun's agent passes that on to
 # the ranks, which checkpoint and exit 75); (2) `accelerate launch` then exits 1, not 75, so the
 # shell takes the training's own line "stopped by a signal at epoch E, step S: checkpoint written
-# to ..." in this run's output as the status 75.
+# to ..." in this run's output as the status 75. (raw_multinode needs that too: once the first
+# node's launcher has exited 75, srun's --kill-on-bad-exit=1 terminates the other nodes' tasks,
+# which had saved and were exiting too, and srun reports a failure, 143 say, instead of 75.)
 
 PREEMPTED_EXIT=75  # raw_ddp.py: "stopped by a signal, checkpoint written: run me again"
 STOP_REQUESTS=0    # stop signals the batch shell has received
@@ -274,7 +276,7 @@ REQUEUE_WANTED=0   # 1 once one of them was SIGUSR1
 STEP_PID=          # the training running in the background (python, or srun); "ended" after it
 RESUME_ARGS=()     # the trainer's checkpoint arguments, set by preemption_setup
 STOP_FILE=         # accel_* scripts: the file launch_stoppable watches on every node; empty: raw_*
-# accel_* scripts: the training's line for "stopped by a signal, checkpoint written", taken as status 75
+# the training's line for "stopped by a signal, checkpoint written", taken as status 75
 STOPPED_LINE='stopped by a signal at epoch [0-9]+, step [0-9]+: checkpoint written to'
 
 # pass_stop_on: tell the running training to checkpoint and stop; fails if it has ended already.
@@ -366,7 +368,11 @@ run_preemptable() {
         echo "=== job $JOB_ID: stopped before the training started" | tee -a "$LOG"
         requeue_or_exit "$PREEMPTED_EXIT"
     fi
-    exec {log_fd}> >(tee -a "$LOG")  # the output to the job's output file and train.log, as run_logged does
+    # The output to the job's output file and train.log, as run_logged does. The tee ignores SIGTERM:
+    # scancel (and the end of the job) sends it to every process of the job, and a tee killed by it
+    # would lose the training's last lines (its "checkpoint written" line among them), and make srun
+    # or the launcher die of SIGPIPE. It ends when the training's output closes (SIGKILL at the latest).
+    exec {log_fd}> >(trap '' TERM; exec tee -a "$LOG")
     tee_pid=$!
     seen=$STOP_REQUESTS
     "$@" >&"$log_fd" 2>&1 &
@@ -385,11 +391,13 @@ run_preemptable() {
         kill -0 "$tee_pid" 2>/dev/null || break
         sleep 0.1
     done
-    # accel_*: `accelerate launch` exits 1 when its ranks exit 75; the training's line says what happened.
-    if [[ -n $STOP_FILE ]] && (( status != 0 && status != PREEMPTED_EXIT )) \
+    # `accelerate launch` exits 1 when its ranks exit 75, and srun reports a failure when
+    # --kill-on-bad-exit ended a node that was exiting 75 after another: the training's line says
+    # what happened.
+    if (( status != 0 && status != PREEMPTED_EXIT )) \
         && tail -c +"$((log_start + 1))" "$LOG" | grep -E "$STOPPED_LINE" >/dev/null; then  # not -q: pipefail
         echo "=== the training stopped for the signal and wrote its checkpoint (its ranks exited" \
-             "$PREEMPTED_EXIT, accelerate launch $status): taken as status $PREEMPTED_EXIT" | tee -a "$LOG"
+             "$PREEMPTED_EXIT; $(basename "$1") exited $status): taken as status $PREEMPTED_EXIT" | tee -a "$LOG"
         status=$PREEMPTED_EXIT
     fi
     if (( status == 0 )); then

@@ -1,15 +1,20 @@
-"""The Slurm job scripts in slurm/, proved on one machine with the fake Slurm in tests/fake_slurm/.
+"""The Slurm job scripts in slurm/, proved under a real Slurm on this machine (tests/slurm_cluster.py).
 
-Static checks (bash -n, shellcheck, every referenced file exists), the fakes themselves, then each
-job script run end to end on the CPU: tiny model, synthetic data, gloo. See docs/slurm.md.
+Static checks first (bash -n, shellcheck, every referenced file exists, the #SBATCH headers), then,
+under a real slurmctld and two slurmd daemons (node1, node2) started for the session: the cluster
+itself (what a job sees, srun's signals), each job script run end to end on the CPU (tiny model,
+synthetic data, gloo), and preemption: `scancel --batch --signal=USR1` (what `--signal=B:USR1@120`
+sends before the time limit) must checkpoint, requeue and resume; `scancel` (SIGTERM to every
+process of the job) must checkpoint and not requeue. See docs/slurm.md, "Testing".
 
-Every test that starts processes runs them in a new session and, on a hard timeout, kills that
-session's process group and every process carrying the test's tag in its environment (torchrun
-starts its workers in sessions of their own), so a hang fails instead of lingering.
+The cluster needs root and Debian's slurmctld, slurmd and munge packages (installed when missing);
+where it cannot start, the tests that need it are skipped, saying why (a failure when CI=true).
+
+Every job runs under a hard timeout: past it the job is cancelled, its processes killed (they carry
+the test's tag in their environment) and the test fails, so a hang cannot block the suite.
 """
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -17,35 +22,32 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from raw_ddp import port_is_free
+from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
-FAKE = REPO / "tests" / "fake_slurm"
 SLURM = REPO / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 SHELL_FILES = SCRIPTS + sorted(SLURM.glob("*.sh")) + sorted((REPO / "bench").glob("*.sh"))
-HARD_TIMEOUT = 240  # seconds for one fake job
+HARD_TIMEOUT = 240  # seconds for one job, requeued runs included
 TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
-
-sys.path.insert(0, str(FAKE))
-import fakeslurm  # noqa: E402
 
 # Variables the scripts read: a developer's own values must not leak into the tests.
 SCRIPT_KNOBS = {"DEVICE", "GPUS_PER_NODE", "RECIPE", "EXTRA_ARGS", "SAVE_MODEL", "MASTER_ADDR", "MASTER_PORT",
                 "DATA_DIR", "DATA_SRC", "REPO_DIR", "RUNS_DIR", "MODULES", "MODULE_RESET", "VENV", "PYTHON",
                 "ACCELERATE", "ACCEL_CONFIG", "ACCEL_ARGS", "ACCELERATE_USE_CPU", "RANK", "LOCAL_RANK",
-                "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CIFAR_WRN_TEST_RAISE_IN_RANK"}
+                "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CIFAR_WRN_TEST_RAISE_IN_RANK", "CHECKPOINT_DIR", "TMPDIR"}
 
 
 def test_scripts_are_there():
     names = {p.name for p in SCRIPTS}
     assert {"raw_1gpu.sbatch", "raw_2gpu.sbatch", "raw_multinode.sbatch", "accel_2gpu.sbatch",
             "accel_multinode.sbatch"} <= names
-    for path in SCRIPTS + [FAKE / "sbatch", FAKE / "srun", FAKE / "scontrol"]:
+    for path in SCRIPTS:
         assert os.access(path, os.X_OK), f"{path} is not executable"
 
 
@@ -95,27 +97,45 @@ def test_referenced_files_exist(path):
     assert not missing, f"{path.name} needs {missing}, which are not in the repository"
 
 
+def sbatch_directives(path: Path) -> dict:
+    """The #SBATCH options of a script, read as sbatch reads them: up to the first command. Also
+    checks what sbatch would accept silently but not do: a directive after the first command (not
+    read), a misspelt `# SBATCH` (not a directive), a comment after the value (sbatch reads the
+    line as it is; the docs ask for comments on lines of their own)."""
+    opts, seen_command = {}, False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        where = f"{path.name}:{number}: {line!r}"
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if not stripped.startswith("#"):
+            seen_command = True
+            continue
+        if not line.startswith("#SBATCH "):
+            assert not re.match(r"#\s*SBATCH", stripped), f"{where}: not read by sbatch (write '#SBATCH ' first)"
+            continue
+        assert not seen_command, f"{where}: after the first command, so sbatch ignores it"
+        words = stripped.split()[1:]
+        assert len(words) == 1 and "#" not in words[0], f"{where}: one option per line, comments on their own line"
+        name, _, value = words[0].lstrip("-").partition("=")
+        opts[name] = value or True
+    return opts
+
+
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_sbatch_header(path):
-    """sbatch reads the #SBATCH block (the fake rejects any option it does not know, as sbatch does)."""
-    opts = {}
-    for number, words in fakeslurm.read_directives(path):
-        found, rest = fakeslurm.parse_options(words, fakeslurm.SBATCH_OPTIONS, "sbatch", f" in {path}:{number}")
-        assert not rest
-        opts.update(found)
+    """The #SBATCH block: Falcon's partition, account placeholder, time, one launcher per node,
+    the GPUs of the script's shape, and the preemption lines (`sbatch --test-only` below checks that
+    the real sbatch accepts them)."""
+    opts = sbatch_directives(path)
     assert opts["partition"].startswith("a30_"), opts
     assert opts["account"] and opts["time"] and opts["job-name"] == path.stem
-    fakeslurm.check_time(opts["time"], "sbatch")
+    assert re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", opts["time"]), opts["time"]
     assert opts.get("ntasks-per-node") == "1"  # one launcher per node; it starts the GPU processes
-    gpus = fakeslurm.gpus_per_node(opts, "sbatch")
+    gpus = int(opts["gres"].removeprefix("gpu:"))
     assert gpus == {"1gpu": 1, "2gpu": 2, "multinode": 4}[path.stem.split("_")[1]]
     # preemption (every script): SIGUSR1 to the batch shell 120 s ahead, then requeue
-    assert opts["signal"] == "B:USR1@120" and opts.get("requeue") and opts.get("open-mode") == "append", opts
-    fakeslurm.check_signal(opts["signal"], "sbatch")
-    # every #SBATCH line comes before the first command, or sbatch ignores it
-    text = path.read_text()
-    first_command = next(i for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#"))
-    assert all(i < first_command for i, line in enumerate(text.splitlines()) if line.startswith("#SBATCH"))
+    assert opts["signal"] == "B:USR1@120" and opts.get("requeue") is True and opts.get("open-mode") == "append", opts
 
 
 def test_docs_mention_every_script():
@@ -124,125 +144,188 @@ def test_docs_mention_every_script():
         assert f"slurm/{path.name}" in docs, path.name
 
 
-# ============================================================================ running things
-
-def session_processes(sid: int, tag: str) -> list[int]:
-    """Processes of session `sid`, or with FAKE_SLURM_TEST_TAG=tag in their environment (Linux /proc)."""
-    found = []
-    if not Path("/proc/self/stat").exists():
-        return found
-    needle = f"FAKE_SLURM_TEST_TAG={tag}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            session = int(stat.rsplit(")", 1)[1].split()[4])
-            environ = (entry / "environ").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if session == sid or needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+def test_missing_data_says_how_to_prepare_it(tmp_path):
+    cmd = 'source slurm/common.sh && stage_data && echo "DATA_DIR=$DATA_DIR"'
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and not k.startswith("SLURM")}
+    env.update(DATA_SRC=str(tmp_path / "nothing"), TMPDIR=str(tmp_path / "scratch"))
+    result = run_isolated(["bash", "-c", cmd], timeout=30, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "prepare_cifar10.py" in result.stderr and "download" in result.stderr
+    assert f"DATA_DIR={tmp_path / 'scratch' / 'cifar10'}" in result.stdout
 
 
-def kill_all(sid: int, tag: str) -> None:
+# ============================================================================ the cluster, and jobs on it
+
+def test_no_cluster_says_why(monkeypatch):
+    """Where the daemons cannot be installed the tests are skipped with the reason (no cluster needed)."""
+    import slurm_cluster
+    monkeypatch.setattr(slurm_cluster, "missing_commands", lambda: ["slurmctld", "sbatch"])
+    monkeypatch.setattr(slurm_cluster.sys, "platform", "linux")
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(Unavailable, match="slurmctld, sbatch not installed, and installing slurm-client slurmctld "
+                                          "needs root"):
+        slurm_cluster.ensure_installed(log=lambda _: None)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slurm_cluster, "which", lambda command: None)
+    with pytest.raises(Unavailable, match="no apt-get to install Debian's"):
+        slurm_cluster.ensure_installed(log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real slurmctld and two slurmd daemons (node1, node2) for the session; see tests/slurm_cluster.py."""
+    c = SlurmCluster(log=lambda message: print(f"test cluster: {message}", file=sys.stderr))
     try:
-        os.killpg(sid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in session_processes(sid, tag):
+        c.start()
+    except Unavailable as exc:
+        c.remove()
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true, but the test Slurm cluster cannot start: {exc}", pytrace=False)
+        pytest.skip(f"no real Slurm for these tests: {exc}")
+    yield c
+    leftovers = c.stop()
+    if os.environ.get("SLURM_TEST_KEEP") == "1":
+        print(f"test cluster kept in {c.root}", file=sys.stderr)
+    else:
+        c.remove()
+    assert not leftovers, f"processes of the test cluster's jobs outlived it (killed): {leftovers}"
+
+
+def run_isolated(cmd, timeout: float, cwd=REPO, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run in a new session; a timeout kills the whole session and fails the test."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd} hung: killed after {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@dataclass
+class Job:
+    cluster: SlurmCluster
+    job_id: str
+    out_file: Path
+    runs: Path
+    seconds: float = 0.0
+    record: dict = field(default_factory=dict)  # `scontrol show job` once it ended
+    leftovers: list = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        return self.record.get("JobState", "?")
+
+    @property
+    def exit_status(self) -> int:
+        """The batch script's exit status (ExitCode=status:signal)."""
+        return int(self.record.get("ExitCode", "-1:0").split(":")[0])
+
+    @property
+    def restarts(self) -> int:
+        return int(self.record.get("Restarts", "0"))
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs / self.job_id
+
+    @property
+    def output(self) -> str:
+        return self.out_file.read_text() if self.out_file.exists() else "(no job output file)"
+
+    @property
+    def log(self) -> str:
+        path = self.run_dir / "train.log"
+        return path.read_text() if path.exists() else "(no train.log)"
+
+    def describe(self) -> str:
+        return (f"job {self.job_id}: {self.state}, exit code {self.record.get('ExitCode')}, restarts "
+                f"{self.restarts}, after {self.seconds:.0f} s\n--- job output {self.out_file}:\n{self.output}\n"
+                f"--- the cluster's logs:\n{self.cluster.logs()}")
+
+
+def job_env(cluster: SlurmCluster, tmp_path: Path, tag: str, **extra) -> dict:
+    """The submitting environment (sbatch passes it to the job): this Python, the CPU, the test's folders."""
+    env = cluster.client_env({k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS})
+    env.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]), PYTHON=sys.executable,
+               VENV="", MODULES="", DEVICE="cpu", RUNS_DIR=str(tmp_path / "runs"), PROBE_DIR=str(tmp_path),
+               PYTHONWARNINGS="ignore::UserWarning", SLURM_TEST_TAG=tag)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def tagged(tag: str) -> list[int]:
+    return processes_with(f"SLURM_TEST_TAG={tag}".encode())
+
+
+def kill_job(job: Job, tag: str) -> None:
+    """Cancel the job at once and kill whatever of it still runs."""
+    job.cluster.command("scancel", "--signal=KILL", "--full", job.job_id, check=False)
+    job.cluster.command("scancel", job.job_id, check=False)
+    for pid in tagged(tag):
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
 
-def job_id_with_free_port() -> str:
-    """A fake job id whose derived MASTER_PORT (10000 + id % 20000, as in slurm/common.sh) is free."""
-    for _ in range(200):
-        job_id = random.randint(100000, 999999)
-        if port_is_free(10000 + job_id % 20000):
-            return str(job_id)
-    raise RuntimeError("no free port found")
+def job_ended(job: Job) -> bool:
+    job.record = job.cluster.job(job.job_id)
+    return job.state in FINISHED
 
 
-class Job:
-    def __init__(self, returncode, stdout, stderr, seconds, job_id, out_file, runs, leftovers):
-        self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
-        self.job_id, self.out_file, self.runs, self.leftovers = job_id, out_file, runs, leftovers
-
-    @property
-    def output(self) -> str:
-        return self.out_file.read_text() if self.out_file.exists() else "(no job output file)"
-
-    def describe(self) -> str:
-        return (f"exit status {self.returncode} after {self.seconds:.0f} s\n--- sbatch stdout:\n{self.stdout}\n"
-                f"--- sbatch stderr:\n{self.stderr}\n--- job output {self.out_file}:\n{self.output}")
-
-
-def fake_env(tmp_path: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SLURMD_", "SBATCH_", "FAKE_SLURM_")) and k not in SCRIPT_KNOBS}
-    env.update(PATH=os.pathsep.join([str(FAKE), str(Path(sys.executable).parent), env.get("PATH", "")]),
-               PYTHON=sys.executable, VENV="", MODULES="", DEVICE="cpu", CUDA_VISIBLE_DEVICES="",
-               RUNS_DIR=str(tmp_path / "runs"), FAKE_SLURM_ROOT=str(tmp_path / "fake-slurm"),
-               FAKE_SLURM_KILL_WAIT="3", PYTHONWARNINGS="ignore::UserWarning")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_isolated(cmd, timeout: float, cwd=REPO, env=None) -> subprocess.CompletedProcess:
-    """subprocess.run in a new session; a timeout kills the whole session and fails the test."""
+def sbatch(cluster: SlurmCluster, tmp_path: Path, script, *options, timeout=HARD_TIMEOUT, cwd=REPO,
+           account="test", during=None, **env_extra) -> Job:
+    """Submit `sbatch [options] script` to the test cluster and wait until the job has ended (requeued
+    runs included); its output goes to tmp_path. `during(job)`, if given, is called once the job is
+    submitted (to signal it, say). Fails the test if the job is still there after `timeout` s."""
     tag = uuid.uuid4().hex
-    env = dict(env or os.environ, FAKE_SLURM_TEST_TAG=tag)
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_all(proc.pid, tag)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd} hung: killed after {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
-    kill_all(proc.pid, tag)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def sbatch(tmp_path: Path, script, *options, timeout=HARD_TIMEOUT, cwd=REPO, account="test", during=None,
-           **env_extra) -> Job:
-    """Run `sbatch [options] script` with the fake Slurm; the job output goes to tmp_path.
-    `during(proc, job_id)`, if given, is called while the job runs (to signal it, say)."""
-    job_id = job_id_with_free_port()
-    tag = uuid.uuid4().hex
-    env = fake_env(tmp_path, FAKE_SLURM_JOB_ID=job_id, FAKE_SLURM_TEST_TAG=tag, **env_extra)
-    out_file = tmp_path / f"job-{job_id}.out"
-    cmd = [str(FAKE / "sbatch"), *([f"--account={account}"] if account else []), f"--output={out_file}",
-           *options, str(script)]
+    env = job_env(cluster, tmp_path, tag, **env_extra)
+    cmd = ["sbatch", "--parsable", *([f"--account={account}"] if account else []),
+           f"--output={tmp_path / 'job-%j.out'}", *options, str(script)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    submitted = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, f"{cmd}: {submitted.stdout}{submitted.stderr}"
+    job_id = submitted.stdout.strip().split(";")[0]
+    job = Job(cluster, job_id, tmp_path / f"job-{job_id}.out", tmp_path / "runs")
     try:
         if during is not None:
-            during(proc, job_id)
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        exited = proc.poll() is not None
-        kill_all(proc.pid, tag)
-        stdout, stderr = proc.communicate()
-        job = Job(proc.returncode, stdout, stderr, time.monotonic() - t0, job_id, out_file, tmp_path / "runs", [])
-        pytest.fail(f"the fake job {'left processes holding its output' if exited else 'hung'}: killed after "
-                    f"{timeout} s\n{job.describe()}")
-    except BaseException:  # `during` failed: nothing may outlive the test
-        kill_all(proc.pid, tag)
-        proc.communicate()
+            during(job)
+        while not job_ended(job):
+            if time.monotonic() - t0 > timeout:
+                job.seconds = time.monotonic() - t0
+                pytest.fail(f"the job did not end within {timeout} s (cancelled, processes killed)\n{job.describe()}")
+            time.sleep(0.5)
+    except BaseException:
+        kill_job(job, tag)
         raise
-    seconds = time.monotonic() - t0
+    job.seconds = time.monotonic() - t0
     # Nothing may outlive the job: wait a moment for exiting processes, then kill and report the rest.
     deadline = time.monotonic() + 10
-    while (leftovers := session_processes(proc.pid, tag)) and time.monotonic() < deadline:
+    while (leftovers := tagged(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    kill_all(proc.pid, tag)
-    return Job(proc.returncode, stdout, stderr, seconds, job_id, out_file, tmp_path / "runs", leftovers)
+    job.leftovers = leftovers
+    if leftovers:
+        kill_job(job, tag)
+    return job
+
+
+def wait_for(path: Path, what: str, job: Job, text=None, timeout=150) -> None:
+    """Until `path` exists (and holds `text`); fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    checked = 0.0
+    while time.monotonic() < deadline:
+        if path.exists() and (text is None or text in path.read_text()):
+            return
+        if time.monotonic() - checked > 1:
+            checked = time.monotonic()
+            if job_ended(job):
+                break
+        time.sleep(0.05)
+    pytest.fail(f"{what} never happened ({'the job ended' if job.state in FINISHED else 'timed out'})\n"
+                f"{job.describe()}")
 
 
 def write_script(tmp_path: Path, body: str, name="probe.sbatch") -> Path:
@@ -252,144 +335,135 @@ def write_script(tmp_path: Path, body: str, name="probe.sbatch") -> Path:
     return path
 
 
-# ============================================================================ the fakes
+# ============================================================================ the cluster
 
-@pytest.mark.parametrize("spec, names", [
-    ("fal040", ["fal040"]),
-    ("fal[040-042,7]", ["fal040", "fal041", "fal042", "fal7"]),
-    ("a[1-2],b3", ["a1", "a2", "b3"]),
-    ("127.0.0.[1-3]", ["127.0.0.1", "127.0.0.2", "127.0.0.3"]),
-    ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
+def test_sbatch_accepts_the_headers(cluster):
+    """The real sbatch parses every script's #SBATCH block, and the request (partition, nodes, GPUs,
+    cores) fits two Falcon-shaped nodes: `sbatch --test-only` schedules it without running it."""
+    for path in SCRIPTS:
+        result = cluster.command("sbatch", "--test-only", path, check=False)
+        nodes = r"node\[1-2\]" if "multinode" in path.name else r"node[12]"
+        assert result.returncode == 0 and re.search(f"on nodes {nodes} in partition a30_normal_q", result.stderr), \
+            f"{path.name}: {result.stderr}"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("#SBATCH --acount=x", "unrecognized option '--acount=x'"),
+    ("#SBATCH --time=1h", "Invalid --time specification"),
+    ("#SBATCH --gres=gpu:5", "Requested node configuration is not available"),
 ])
-def test_hostlist_expansion(spec, names):
-    assert fakeslurm.expand_hostlist(spec) == names
-    result = run_isolated([FAKE / "scontrol", "show", "hostnames", spec], timeout=30)
-    assert result.returncode == 0 and result.stdout.split() == names, result.stderr
-
-
-@pytest.mark.parametrize("spec", ["a[1-", "a]1", "a[3-1]", "a[x]"])
-def test_hostlist_errors(spec):
-    with pytest.raises(fakeslurm.FakeSlurmError):
-        fakeslurm.expand_hostlist(spec)
+def test_sbatch_rejects_bad_directives(cluster, tmp_path, line, message):
+    """What test_sbatch_accepts_the_headers catches: a misspelt option, a bad time, more GPUs than a node has."""
+    script = write_script(tmp_path, f"#!/bin/bash\n#SBATCH --nodes=1\n{line}\necho ran\n")
+    result = cluster.command("sbatch", "--test-only", script, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 PROBE = """#!/bin/bash
-#SBATCH --account=probe
 #SBATCH --nodes=3
 #SBATCH --gres=gpu:2
 #SBATCH --cpus-per-task=4
 #SBATCH --job-name=probe
 #SBATCH --time=0:10:00
 echo "batch: $SLURM_JOB_ID $SLURM_JOB_NAME nodes=$SLURM_JOB_NUM_NODES/$SLURM_NNODES list=$SLURM_JOB_NODELIST \
-gpus=$SLURM_GPUS_ON_NODE cpus=$SLURM_CPUS_PER_TASK account=$SLURM_JOB_ACCOUNT submit=$SLURM_SUBMIT_DIR"
+gpus=$SLURM_GPUS_ON_NODE cpus=$SLURM_CPUS_PER_TASK account=$SLURM_JOB_ACCOUNT submit=$SLURM_SUBMIT_DIR \
+partition=$SLURM_JOB_PARTITION restart=${SLURM_RESTART_COUNT:-none}"
 echo "first: $(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-echo "batch tmp: $TMPDIR"
-srun --ntasks-per-node=1 bash -c \
-    'echo "task $SLURM_PROCID node $SLURM_NODEID of $SLURM_NNODES on $SLURMD_NODENAME tmp $TMPDIR"'
+echo "resolves: $(getent hosts node2)"
+echo "batch tmp: $TMPDIR on $(hostname)"
+srun --ntasks-per-node=1 bash -c 'echo "$SLURMD_NODENAME" > "$TMPDIR/mine"
+    echo "task $SLURM_PROCID node $SLURM_NODEID of $SLURM_NNODES on $SLURMD_NODENAME host $(hostname) \
+gpus $CUDA_VISIBLE_DEVICES tmp $TMPDIR holds $(cat "$TMPDIR"/mine) cores $(taskset -cp $$ | cut -d: -f2)"'
 """
 
 
-def test_fake_sbatch_and_srun_environment(tmp_path):
+def test_what_a_job_sees(cluster, tmp_path):
+    """Two nodes, each with its host name, its GPUs (placeholders), its own cores and its own $TMPDIR
+    (same path, different disk, gone after the job); the command line overrides #SBATCH --nodes=3."""
     script = write_script(tmp_path, PROBE)
-    job = sbatch(tmp_path, script, "--nodes=2", timeout=60)  # the command line overrides #SBATCH --nodes=3
-    assert job.returncode == 0, job.describe()
+    job = sbatch(cluster, tmp_path, script, "--nodes=2", timeout=60)
+    assert job.state == "COMPLETED" and job.exit_status == 0, job.describe()
     out = job.output
-    assert f"batch: {job.job_id} probe nodes=2/2 list=127.0.0.[1-2] gpus=2 cpus=4 account=test submit={REPO}" in out
-    assert "first: 127.0.0.1" in out
+    assert (f"batch: {job.job_id} probe nodes=2/2 list=node[1-2] gpus=2 cpus=4 account=test submit={REPO} "
+            f"partition=a30_normal_q restart=none") in out, job.describe()
+    assert "first: node1" in out and re.search(r"resolves: 127\.0\.0\.1\s+node2", out), job.describe()
     tasks = sorted(line.split() for line in out.splitlines() if line.startswith("task "))
-    assert [t[1:7] for t in tasks] == [["0", "node", "0", "of", "2", "on"], ["1", "node", "1", "of", "2", "on"]]
-    assert [t[7] for t in tasks] == ["127.0.0.1", "127.0.0.2"]
-    batch_tmp = re.search(r"batch tmp: (\S+)", out).group(1)
-    assert tasks[0][9] == batch_tmp and tasks[1][9] != batch_tmp  # node-local scratch: one per node
-    assert not Path(batch_tmp).exists()  # gone with the job, like $TMPDIR
+    assert [t[1:12] for t in tasks] == [
+        ["0", "node", "0", "of", "2", "on", "node1", "host", "node1", "gpus", "0,1"],
+        ["1", "node", "1", "of", "2", "on", "node2", "host", "node2", "gpus", "0,1"]], job.describe()
+    batch_tmp = re.search(r"batch tmp: (\S+) on node1", out).group(1)
+    assert [t[13] for t in tasks] == [batch_tmp, batch_tmp] and [t[15] for t in tasks] == ["node1", "node2"]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert tasks[0][17] != tasks[1][17], job.describe()  # each node on its own cores
+    for node in NODES:  # the Epilog removed each node's $TMPDIR
+        assert not (cluster.scratch(node) / f"job{job.job_id}").exists()
     assert not job.leftovers
 
 
-@pytest.mark.parametrize("line, message", [
-    ("#SBATCH --acount=x", "unrecognized option '--acount=x'"),
-    ("#SBATCH --time=1:00:00 # one hour", "comments on their own line"),
-    ("# SBATCH --time=1:00:00", "not read by sbatch"),
-    ("#SBATCH --time=1h", "invalid --time"),
-])
-def test_fake_sbatch_rejects_bad_directives(tmp_path, line, message):
-    script = write_script(tmp_path, f"#!/bin/bash\n#SBATCH --nodes=1\n{line}\necho ran\n")
-    job = sbatch(tmp_path, script, timeout=60)
-    assert job.returncode != 0 and message in job.stderr, job.describe()
-    assert not job.out_file.exists()
-
-
-def test_fake_sbatch_needs_an_account(tmp_path):
-    script = write_script(tmp_path, "#!/bin/bash\necho ran\n")
-    job = sbatch(tmp_path, script, account=None, timeout=60)
-    assert job.returncode == 1 and "--account" in job.stderr and not job.out_file.exists(), job.describe()
-
-
-def test_fake_srun_kill_on_bad_exit(tmp_path):
-    """Node 1 fails at once: --kill-on-bad-exit=1 ends node 0 (which would sleep 120 s) and srun fails."""
+def test_srun_kill_on_bad_exit(cluster, tmp_path):
+    """Node 2 fails at once: --kill-on-bad-exit=1 ends node 1 (which would sleep 120 s) and srun fails."""
     script = write_script(tmp_path, """#!/bin/bash
 #SBATCH --nodes=2
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'if [[ $SLURM_NODEID == 1 ]]; then exit 3; fi; exec sleep 120'
 echo "srun status $?"
 """)
-    job = sbatch(tmp_path, script, timeout=60)
-    assert job.returncode == 0, job.describe()
-    assert "srun status 3" in job.output and "task 1: Exited with exit code 3" in job.output, job.describe()
-    assert job.seconds < 30, job.describe()
-    assert not job.leftovers
+    job = sbatch(cluster, tmp_path, script, timeout=60)
+    assert job.state == "COMPLETED", job.describe()
+    assert re.search(r"srun status [1-9]", job.output) and "task 1: Exited with exit code 3" in job.output, \
+        job.describe()
+    assert job.seconds < 30 and not job.leftovers, job.describe()
 
 
-def test_fake_srun_without_kill_waits_for_all(tmp_path):
+def test_srun_without_kill_waits_for_all(cluster, tmp_path):
     script = write_script(tmp_path, """#!/bin/bash
 #SBATCH --nodes=2
 srun bash -c 'if [[ $SLURM_NODEID == 1 ]]; then exit 3; fi; sleep 2; echo "node 0 done"'
 echo "srun status $?"
 """)
-    job = sbatch(tmp_path, script, timeout=60)
+    job = sbatch(cluster, tmp_path, script, timeout=60)
     assert "node 0 done" in job.output and "srun status 3" in job.output, job.describe()
 
 
-def test_fake_srun_passes_sigusr1_on_and_kills_on_sigterm(tmp_path):
-    """Like the real srun: SIGUSR1 reaches every task (it traps it and ends); SIGTERM kills them."""
+def test_srun_passes_sigusr1_on_and_ends_the_step_on_sigterm(cluster, tmp_path):
+    """What slurm/common.sh relies on: SIGUSR1 to srun reaches every task (each traps it and ends);
+    SIGTERM to srun ends the step ("forcing job termination"), with no time for a checkpoint."""
     script = write_script(tmp_path, """#!/bin/bash
 #SBATCH --nodes=2
-task='trap "echo \\"task $SLURM_NODEID got USR1\\"; exit 0" USR1; touch "$FAKE_SLURM_JOB_DIR/up-$SLURM_NODEID"
+task='trap "echo \\"task $SLURM_NODEID got USR1\\"; exit 0" USR1; touch "$PROBE_DIR/up-$SLURM_NODEID"
       while true; do sleep 0.1; done'
 srun bash -c "$task" &
 pid=$!
-until [[ -e $FAKE_SLURM_JOB_DIR/up-0 && -e $FAKE_SLURM_JOB_DIR/up-1 ]]; do sleep 0.1; done
+until [[ -e $PROBE_DIR/up-0 && -e $PROBE_DIR/up-1 ]]; do sleep 0.1; done
 kill -USR1 "$pid"
 wait "$pid"
 echo "srun status after USR1: $?"
-srun bash -c 'touch "$FAKE_SLURM_JOB_DIR/up2-$SLURM_NODEID"; exec sleep 120' &
+srun bash -c 'trap "echo \\"task $SLURM_NODEID got TERM\\"" TERM; touch "$PROBE_DIR/up2-$SLURM_NODEID"
+      sleep 120 & wait' &
 pid=$!
-until [[ -e $FAKE_SLURM_JOB_DIR/up2-0 && -e $FAKE_SLURM_JOB_DIR/up2-1 ]]; do sleep 0.1; done
+until [[ -e $PROBE_DIR/up2-0 && -e $PROBE_DIR/up2-1 ]]; do sleep 0.1; done
 kill -TERM "$pid"
 wait "$pid"
 echo "srun status after TERM: $?"
 """)
-    job = sbatch(tmp_path, script, timeout=60)
+    job = sbatch(cluster, tmp_path, script, timeout=60)
     out = job.output
     assert "task 0 got USR1" in out and "task 1 got USR1" in out and "srun status after USR1: 0" in out, job.describe()
-    assert "forcing job termination" in out and "srun status after TERM: 143" in out, job.describe()
-    assert job.seconds < 30 and not job.leftovers, job.describe()
-
-
-def test_fake_srun_outside_a_job():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_SLURM_"))}
-    result = run_isolated([FAKE / "srun", "true"], timeout=30, env=env)
-    assert result.returncode == 1 and "not inside a job" in result.stderr
+    assert "forcing job termination" in out and re.search(r"srun status after TERM: [1-9]", out), job.describe()
+    assert "got TERM" not in out and out.count(": Killed") == 2, job.describe()  # SIGKILL, not SIGTERM
+    assert job.seconds < 40 and not job.leftovers, job.describe()
 
 
 # ============================================================================ the job scripts, on the CPU
 
 def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
-    assert job.returncode == 0, job.describe()
-    run_dir = job.runs / job.job_id
-    log = (run_dir / "train.log").read_text()
+    assert job.state == "COMPLETED" and job.exit_status == 0, job.describe()
+    run_dir = job.run_dir
+    log = job.log
     epoch_lines = [line for line in log.splitlines() if re.match(r"Epoch = +1: Cumulative Time = ", line)]
     assert len(epoch_lines) == 1, log  # rank 0 only
     assert epoch_lines[0] in job.output  # the job's Slurm output file has it too
     assert f"world size: {world_size} = {num_nodes} node(s)" in log
+    assert "slurm: partition a30_normal_q, account test" in log
     assert "nvidia-smi" in (run_dir / "topology.txt").read_text()
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     header, epochs = records[0], records[1:]
@@ -410,53 +484,61 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
 @pytest.mark.parametrize("name, options, world_size, num_nodes, launcher", [
     ("raw_1gpu", [], 1, 1, "mp.spawn"),
     ("raw_2gpu", [], 2, 1, "mp.spawn"),
-    ("raw_multinode", ["--nodes=2", "--gres=gpu:1"], 2, 2, "mp.spawn"),
+    ("raw_multinode", ["--gres=gpu:1"], 2, 2, "mp.spawn"),
     ("accel_2gpu", [], 2, 1, "accelerate launch"),
-    ("accel_multinode", ["--nodes=2", "--gres=gpu:1"], 2, 2, "accelerate launch"),
+    ("accel_multinode", ["--gres=gpu:1"], 2, 2, "accelerate launch"),
 ])
-def test_job_script_trains_on_cpu(tmp_path, cifar_dir, name, options, world_size, num_nodes, launcher):
-    job = sbatch(tmp_path, SLURM / f"{name}.sbatch", *options, DATA_SRC=cifar_dir, EXTRA_ARGS=TINY)
+def test_job_script_trains_on_cpu(cluster, tmp_path, cifar_dir, name, options, world_size, num_nodes, launcher):
+    """Each script as users submit it (its own #SBATCH lines; the multi-node ones with one GPU per
+    node, so one process each), trained one epoch on the CPU."""
+    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, DATA_SRC=cifar_dir, EXTRA_ARGS=TINY)
     check_run(job, world_size, num_nodes, launcher)
-    log = (job.runs / job.job_id / "train.log").read_text()
+    log = job.log
+    assert f"GPUs on node {world_size // num_nodes}" in log, log  # SLURM_GPUS_ON_NODE from --gres
     if num_nodes > 1:
-        # both nodes staged their own copy, in their own $TMPDIR, and met at the first host
-        staged = re.findall(r"node (\d) \(.*?\): copied \S+ to (\S+)", log)
-        assert sorted(n for n, _ in staged) == ["0", "1"] and staged[0][1] != staged[1][1], log
-        assert f"rendezvous: 127.0.0.1:{10000 + int(job.job_id) % 20000}" in log
+        # each node staged its own copy into its own $TMPDIR, and they met at the first host, by name
+        staged = dict(re.findall(r"node (\d) \((node\d)\): copied \S+ to \S+", log))
+        assert staged == {"0": "node1", "1": "node2"}, log
+        assert f"rendezvous: node1:{10000 + int(job.job_id) % 20000}" in log, log
     else:
-        assert "copied" in log and "cifar10" in log
+        assert re.search(r"node 0 \(node[12]\): copied \S+ to \S+/cifar10", log), log
 
 
-def test_multinode_failure_ends_the_job(tmp_path, cifar_dir):
-    """Rank 1 (node 1) fails after start-up: the job must fail soon, leaving nothing behind."""
-    job = sbatch(tmp_path, SLURM / "raw_multinode.sbatch", "--nodes=2", "--gres=gpu:1", DATA_SRC=cifar_dir,
+def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
+    """Rank 1 (node 2) fails after start-up: the job must fail soon, leaving nothing behind."""
+    job = sbatch(cluster, tmp_path, SLURM / "raw_multinode.sbatch", "--gres=gpu:1", DATA_SRC=cifar_dir,
                  EXTRA_ARGS=TINY + " --dist-timeout 120", CIFAR_WRN_TEST_RAISE_IN_RANK=1)
-    assert job.returncode != 0, job.describe()
+    assert job.state == "FAILED" and job.exit_status != 0, job.describe()
     assert "injected test fault in rank 1" in job.output and "FAILED (exit status" in job.output, job.describe()
     assert job.seconds < 100, job.describe()
     assert not job.leftovers
 
 
-def test_submitting_from_elsewhere_says_how(tmp_path):
-    job = sbatch(tmp_path, SLURM / "raw_2gpu.sbatch", cwd=tmp_path, timeout=60)
-    assert job.returncode == 2 and "submit from the repository root" in job.output, job.describe()
-
-
-def test_missing_data_says_how_to_prepare_it(tmp_path):
-    cmd = 'source slurm/common.sh && stage_data && echo "DATA_DIR=$DATA_DIR"'
-    env = fake_env(tmp_path, DATA_SRC=tmp_path / "nothing", TMPDIR=tmp_path / "scratch")
-    result = run_isolated(["bash", "-c", cmd], timeout=30, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "prepare_cifar10.py" in result.stderr and "download" in result.stderr
-    assert f"DATA_DIR={tmp_path / 'scratch' / 'cifar10'}" in result.stdout
+def test_submitting_from_elsewhere_says_how(cluster, tmp_path):
+    job = sbatch(cluster, tmp_path, SLURM / "raw_2gpu.sbatch", cwd=tmp_path, timeout=60)
+    assert job.state == "FAILED" and job.exit_status == 2, job.describe()
+    assert "submit from the repository root" in job.output, job.describe()
 
 
 # ============================================================================ preemption and requeue
 
-# A stand-in for the training, for the batch-shell side: it waits for SIGUSR1 and then exits 75 (as
-# raw_ddp.py does after writing its checkpoint); run again after a requeue, it finishes at once.
+def preempt(job: Job) -> None:
+    """What Slurm does 120 s before the time limit (--signal=B:USR1@120): SIGUSR1 to the batch shell only."""
+    job.cluster.command("scancel", "--batch", "--signal=USR1", job.job_id)
+
+
+def cancel(job: Job) -> None:
+    """scancel: SIGTERM to every process of the job (KillWait = 30 s later, SIGKILL)."""
+    job.cluster.command("scancel", job.job_id)
+
+
+def stopped_line(log: str):
+    return re.search(r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+?);?\s", log)
+
+
+# A stand-in for the training, for the batch-shell side: it waits for SIGUSR1 (or SIGTERM) and then
+# exits 75 (as raw_ddp.py does after writing its checkpoint); run again after a requeue, it finishes.
 PREEMPT_PROBE = """#!/bin/bash
-#SBATCH --account=probe
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
@@ -473,202 +555,181 @@ import os, pathlib, signal, sys, time
 if os.environ.get("SLURM_RESTART_COUNT"):
     print("stand-in " + "resumed", flush=True)  # split: the echoed command line must not match
     sys.exit(0)
-signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
+def stop(*_):  # scancel sends SIGTERM, and the shell passes a SIGUSR1 on: the first one counts
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(75)
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGTERM, stop)
 pathlib.Path(os.environ["RUN_DIR"], "ready").touch()
 time.sleep(100)
 '
 """
 
 
-def wait_for(path: Path, what: str, proc: subprocess.Popen, job_id: str, tmp_path: Path, text=None, timeout=150):
-    """Until `path` exists (and holds `text`); fail if the job ends first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and (text is None or text in path.read_text()):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    out = tmp_path / f"job-{job_id}.out"
-    pytest.fail(f"{what} never happened (job {'ended' if proc.poll() is not None else 'still running'})\n"
-                f"--- job output:\n{out.read_text() if out.exists() else '(none)'}")
-
-
-def batch_shell(sbatch_pid: int) -> int:
-    """The fake sbatch's child: the batch shell running the script (Linux /proc)."""
-    children = Path(f"/proc/{sbatch_pid}/task/{sbatch_pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
-
-
-def test_sigusr1_requeues_and_the_requeued_run_continues(tmp_path):
-    """SIGUSR1 to the batch shell (the fake sbatch passes it on, like --signal=B:USR1): the shell
-    passes it to the training, which exits 75; the script runs `scontrol requeue` and exits 0; the
-    fake sbatch runs the job again with SLURM_RESTART_COUNT=1, appending to the same output file."""
+def test_sigusr1_requeues_and_the_requeued_run_continues(cluster, tmp_path):
+    """SIGUSR1 to the batch shell: it passes it to the training, which exits 75; the script runs
+    `scontrol requeue` and exits 0; Slurm runs the job again with SLURM_RESTART_COUNT=1, appending
+    to the same output file."""
     script = write_script(tmp_path, PREEMPT_PROBE)
-    calls = tmp_path / "scontrol.log"
 
-    def preempt(proc, job_id):
-        wait_for(tmp_path / "runs" / job_id / "ready", "the stand-in training start", proc, job_id, tmp_path)
-        os.kill(proc.pid, signal.SIGUSR1)
+    def stop(job):
+        wait_for(job.run_dir / "ready", "the stand-in training's start", job)
+        preempt(job)
 
-    job = sbatch(tmp_path, script, timeout=60, during=preempt, FAKE_SLURM_SCONTROL_LOG=calls)
+    job = sbatch(cluster, tmp_path, script, timeout=90, during=stop)
     out = job.output
-    assert job.returncode == 0, job.describe()
-    checkpoints = job.runs / job.job_id / "checkpoints"
+    assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 1, job.describe()
+    checkpoints = job.run_dir / "checkpoints"
     assert f"run 0, checkpoint args: --checkpoint-dir {checkpoints} --auto-resume" in out, job.describe()
     assert "SIGUSR1 received; passed on to the training as SIGUSR1" in out, job.describe()
     assert "stopped after" in out and f"job {job.job_id} requeued (scontrol requeue)" in out, job.describe()
     assert "run 1," in out and "stand-in resumed" in out and f"job {job.job_id} finished" in out, job.describe()
     requeued = out.index(f"job {job.job_id} requeued")
     assert out.index("run 0") < requeued < out.index("run 1") < out.index("stand-in resumed")  # appended
-    assert calls.read_text().splitlines() == [f"scontrol requeue {job.job_id}"]
-    log = (job.runs / job.job_id / "train.log").read_text()
-    assert "requeued" in log and "stand-in resumed" in log  # train.log holds both runs too
+    assert "requeued" in job.log and "stand-in resumed" in job.log  # train.log holds both runs too
     assert not job.leftovers
 
 
-def test_sigterm_checkpoints_but_does_not_requeue(tmp_path):
-    """SIGTERM to the batch shell (what scancel sends): passed on as SIGUSR1, so the training still
-    checkpoints, but no requeue, which would undo the scancel; the job ends with status 75."""
-    if not Path("/proc/self/task").exists():
-        pytest.skip("needs Linux /proc to find the batch shell")
+def test_scancel_is_passed_on_but_not_requeued(cluster, tmp_path):
+    """scancel: SIGTERM to the batch shell (and to the training itself); the shell passes a stop on,
+    the training exits 75, but the job is not requeued (that would undo the scancel): it ends
+    cancelled, saying how to continue from the checkpoint."""
     script = write_script(tmp_path, PREEMPT_PROBE)
-    calls = tmp_path / "scontrol.log"
 
-    def cancel(proc, job_id):
-        wait_for(tmp_path / "runs" / job_id / "ready", "the stand-in training start", proc, job_id, tmp_path)
-        os.kill(batch_shell(proc.pid), signal.SIGTERM)
+    def stop(job):
+        wait_for(job.run_dir / "ready", "the stand-in training's start", job)
+        cancel(job)
 
-    job = sbatch(tmp_path, script, timeout=60, during=cancel, FAKE_SLURM_SCONTROL_LOG=calls)
+    job = sbatch(cluster, tmp_path, script, timeout=90, during=stop)
     out = job.output
-    assert job.returncode == 75, job.describe()
-    assert "SIGTERM received; passed on to the training as SIGUSR1" in out and "stopped after" in out, job.describe()
-    assert "not requeued after SIGTERM" in out and f"CHECKPOINT_DIR={job.runs / job.job_id / 'checkpoints'}" in out
-    assert not calls.exists() and "run 1" not in out and not job.leftovers, job.describe()  # no scontrol call
+    assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
+    assert "SIGTERM received;" in out and "stopped after" in out, job.describe()
+    assert "not requeued after SIGTERM" in out and f"CHECKPOINT_DIR={job.run_dir / 'checkpoints'}" in out
+    assert "run 1" not in out and not job.leftovers, job.describe()
 
 
-def test_requeue_refused_keeps_status_75_and_says_how_to_continue(tmp_path):
+def test_requeue_refused_keeps_status_75_and_says_how_to_continue(cluster, tmp_path):
     """Submitted with --no-requeue (it overrides the script's --requeue): scontrol refuses, the job
     ends with status 75 and says how to continue from the checkpoint in a new job."""
     script = write_script(tmp_path, PREEMPT_PROBE)
 
-    def preempt(proc, job_id):
-        wait_for(tmp_path / "runs" / job_id / "ready", "the stand-in training start", proc, job_id, tmp_path)
-        os.kill(proc.pid, signal.SIGUSR1)
+    def stop(job):
+        wait_for(job.run_dir / "ready", "the stand-in training's start", job)
+        preempt(job)
 
-    job = sbatch(tmp_path, script, "--no-requeue", timeout=60, during=preempt)
+    job = sbatch(cluster, tmp_path, script, "--no-requeue", timeout=60, during=stop)
     out = job.output
-    assert job.returncode == 75, job.describe()
+    assert job.state == "FAILED" and job.exit_status == 75 and job.restarts == 0, job.describe()
     assert f"scontrol requeue {job.job_id} failed" in out and "presently disabled" in out, job.describe()
-    assert f"CHECKPOINT_DIR={job.runs / job.job_id / 'checkpoints'} sbatch" in out, job.describe()
+    assert f"CHECKPOINT_DIR={job.run_dir / 'checkpoints'} sbatch" in out, job.describe()
     assert "run 1" not in out and not job.leftovers
 
 
-def test_fake_scontrol_requeue_needs_a_job(tmp_path):
-    env = fake_env(tmp_path)
-    result = run_isolated([FAKE / "scontrol", "requeue", "4242"], timeout=30, env=env)
-    assert result.returncode == 1 and "Invalid job id" in result.stderr
-
-
-# Long enough to be stopped in the middle: 320 images / 2 ranks / batch 4 = 40 steps an epoch.
-PREEMPT_TINY = "--model-width 4 --train-subset 320 --val-subset 101 --batch-size 4 --epochs 3 --set num_workers=0"
-
-
-def test_preempted_multinode_job_checkpoints_requeues_and_resumes(tmp_path, cifar_dir):
-    """raw_multinode.sbatch on 2 fake nodes: SIGUSR1 to the batch shell after the first epoch. The
-    shell passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint,
-    the training exits 75, the script requeues the job; the second run resumes from the checkpoint
-    in the middle of epoch 2 and finishes epochs 2 and 3, appending to the same logs."""
-    calls = tmp_path / "scontrol.log"
-
-    def preempt(proc, job_id):
-        wait_for(tmp_path / "runs" / job_id / "log.jsonl", "the first epoch", proc, job_id, tmp_path,
-                 text='"kind": "epoch"')
-        os.kill(proc.pid, signal.SIGUSR1)
-
-    job = sbatch(tmp_path, SLURM / "raw_multinode.sbatch", "--nodes=2", "--gres=gpu:1", during=preempt,
-                 DATA_SRC=cifar_dir, EXTRA_ARGS=PREEMPT_TINY, FAKE_SLURM_SCONTROL_LOG=calls, FAKE_SLURM_MAX_RESTARTS=1)
-    assert job.returncode == 0, job.describe()
-    run_dir = job.runs / job.job_id
-    checkpoint = run_dir / "checkpoints" / "checkpoint.pt"
-    log = (run_dir / "train.log").read_text()
-    stopped = re.search(r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+);", log)
-    assert stopped and stopped.group(3) == str(checkpoint), log
-    assert "SIGUSR1 received; passed on to the training" in log
-    assert f"scontrol requeue {job.job_id}" in calls.read_text().splitlines(), calls.read_text()
-    assert log.count(f"job {job.job_id} requeued") == 1 and "restart 1: this job was requeued" in log, log
-    epoch, step = stopped.group(1), stopped.group(2)
-    assert f"Resuming from {checkpoint}: epoch {epoch}, step {step} of 40" in log, log
-    assert log.index("stopped by a signal") < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
-    assert f"job {job.job_id} finished" in log
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    headers = [r for r in records if r["kind"] == "header"]
-    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2, 3], records  # appended, none twice
-    assert len(headers) == 2 and headers[1]["resumed_at"] == {"epoch": int(epoch), "step": int(step)}, headers
-    assert checkpoint.is_file()
-    out = job.output  # --open-mode=append: the requeued run's output follows the first run's
-    assert out.index("Epoch =  1:") < out.index("restart 1: this job was requeued") < out.index("Epoch =  3:"), out
-    assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
-
-
+# Long enough to be stopped in the middle: 320 images / 2 ranks / batch 4 = 40 steps an epoch, 2 epochs.
+PREEMPT_TINY = "--model-width 4 --train-subset 320 --val-subset 101 --batch-size 4 --epochs 2 --set num_workers=0"
 # As PREEMPT_TINY, but 80 steps an epoch: the stop reaches accelerate launch up to a second after the
 # signal (launch_stoppable reads the stop file every second), and must still land before the last epoch ends.
 ACCEL_PREEMPT_TINY = PREEMPT_TINY.replace("--batch-size 4", "--batch-size 2")
 
 
+def after_first_epoch(action):
+    def during(job):
+        wait_for(job.run_dir / "log.jsonl", "the first epoch", job, text='"kind": "epoch"')
+        action(job)
+    return during
+
+
+def check_requeued_and_resumed(job: Job, steps_per_epoch: int) -> re.Match:
+    """The job stopped for the signal with a checkpoint (in epoch 2), requeued itself once, and its
+    second run resumed at that step and finished epoch 2, appending to the same logs."""
+    assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 1, job.describe()
+    log = job.log
+    stopped = stopped_line(log)
+    assert stopped, job.describe()
+    assert f"job {job.job_id} stopped after" in log, log  # status 75, or taken as 75 from the training's line
+    assert log.count(f"job {job.job_id} requeued") == 1 and "restart 1: this job was requeued" in log, log
+    epoch, step, where = stopped.groups()
+    assert epoch == "2", log
+    assert f"Resuming from {where}: epoch {epoch}, step {step} of {steps_per_epoch}" in log, log
+    assert log.index("stopped by a signal") < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
+    assert f"job {job.job_id} finished" in log
+    records = [json.loads(line) for line in (job.run_dir / "log.jsonl").read_text().splitlines()]
+    headers = [r for r in records if r["kind"] == "header"]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2], records  # appended, none twice
+    assert len(headers) == 2 and headers[1]["resumed_at"] == {"epoch": int(epoch), "step": int(step)}, headers
+    out = job.output  # --open-mode=append: the requeued run's output follows the first run's
+    assert out.index("Epoch =  1:") < out.index("restart 1: this job was requeued") < out.index("Epoch =  2:"), out
+    assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
+    return stopped
+
+
+def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir):
+    """raw_multinode.sbatch on 2 nodes: SIGUSR1 to the batch shell after the first epoch. The shell
+    passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint, the
+    training exits 75, the script requeues the job; the second run resumes from the checkpoint in the
+    middle of epoch 2 and finishes it."""
+    job = sbatch(cluster, tmp_path, SLURM / "raw_multinode.sbatch", "--gres=gpu:1", during=after_first_epoch(preempt),
+                 DATA_SRC=cifar_dir, EXTRA_ARGS=PREEMPT_TINY)
+    stopped = check_requeued_and_resumed(job, steps_per_epoch=40)
+    assert stopped.group(3) == str(job.run_dir / "checkpoints" / "checkpoint.pt"), job.log
+    assert "SIGUSR1 received; passed on to the training as SIGUSR1" in job.log
+    assert (job.run_dir / "checkpoints" / "checkpoint.pt").is_file()
+
+
 @pytest.mark.parametrize("name, options", [
-    ("accel_multinode", ["--nodes=2", "--gres=gpu:1"]),
+    ("accel_multinode", ["--gres=gpu:1"]),
     ("accel_2gpu", []),
 ])
-def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(tmp_path, cifar_dir, name, options):
-    """An accel_* script (accelerate launch) on the fakes: SIGUSR1 to the batch shell after the first
-    epoch. The shell must not pass SIGUSR1 on (it would kill `accelerate launch`): it writes "stop"
-    into runs/<job id>/stop-request, launch_stoppable on each node sends its accelerate launch
-    SIGTERM, the launcher passes it to its ranks, which write a checkpoint (DIR/LATEST) and exit 75;
-    accelerate launch exits 1, the script reads the training's "stopped by a signal ... checkpoint
-    written" line, requeues the job, and the second run resumes at that step and finishes."""
-    calls = tmp_path / "scontrol.log"
-
-    def preempt(proc, job_id):
-        wait_for(tmp_path / "runs" / job_id / "log.jsonl", "the first epoch", proc, job_id, tmp_path,
-                 text='"kind": "epoch"')
-        os.kill(proc.pid, signal.SIGUSR1)
-
-    job = sbatch(tmp_path, SLURM / f"{name}.sbatch", *options, during=preempt, DATA_SRC=cifar_dir,
-                 EXTRA_ARGS=ACCEL_PREEMPT_TINY, FAKE_SLURM_SCONTROL_LOG=calls, FAKE_SLURM_MAX_RESTARTS=1)
-    assert job.returncode == 0, job.describe()
-    run_dir = job.runs / job.job_id
-    checkpoints = run_dir / "checkpoints"
-    log = (run_dir / "train.log").read_text()
+def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir, name, options):
+    """An accel_* script: SIGUSR1 to the batch shell after the first epoch. The shell must not pass
+    SIGUSR1 on (it would kill `accelerate launch`): it writes "stop" into runs/<job id>/stop-request,
+    launch_stoppable on each node sends its accelerate launch SIGTERM, the launcher passes it to its
+    ranks, which write a checkpoint (DIR/LATEST) and exit 75; accelerate launch exits 1, the script
+    reads the training's "stopped by a signal ... checkpoint written" line, requeues the job, and the
+    second run resumes at that step and finishes."""
+    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=after_first_epoch(preempt),
+                 DATA_SRC=cifar_dir, EXTRA_ARGS=ACCEL_PREEMPT_TINY)
+    stopped = check_requeued_and_resumed(job, steps_per_epoch=80)
+    checkpoints = job.run_dir / "checkpoints"
+    log = job.log
     assert f"checkpoints: {checkpoints} (a requeued run resumes from there)" in log, log
     assert "SIGUSR1 received; passed on to the training through" in log, log
     nodes = 2 if "multinode" in name else 1
     assert log.count("stop requested: SIGTERM to accelerate launch") == nodes, log
-    stopped = re.search(r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+);", log)
-    assert stopped and Path(stopped.group(3)).parent == checkpoints, log
+    assert Path(stopped.group(3)).parent == checkpoints, log
     assert "taken as status 75" in log and "stopped after" in log, log  # accelerate launch itself exits 1
-    requeues = [c for c in calls.read_text().splitlines() if c.startswith("scontrol requeue")]
-    assert requeues == [f"scontrol requeue {job.job_id}"], calls.read_text()
-    assert log.count(f"job {job.job_id} requeued") == 1 and "restart 1: this job was requeued" in log, log
-    epoch, step = stopped.group(1), stopped.group(2)
-    assert f"Resuming from {stopped.group(3)}: epoch {epoch}, step {step} of 80" in log, log
-    assert log.index("stopped by a signal") < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
-    assert f"job {job.job_id} finished" in log
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2, 3], records  # appended, none twice
-    assert len([r for r in records if r["kind"] == "header"]) == 2, records
     assert (checkpoints / "LATEST").is_file()
-    out = job.output  # --open-mode=append: the requeued run's output follows the first run's
-    assert out.index("Epoch =  1:") < out.index("restart 1: this job was requeued") < out.index("Epoch =  3:"), out
+
+
+@pytest.mark.parametrize("name, options, checkpoint", [
+    ("raw_multinode", ["--gres=gpu:1"], "checkpoint.pt"),
+    ("accel_multinode", ["--gres=gpu:1"], "state-"),
+])
+def test_cancelled_multinode_job_checkpoints_and_is_not_requeued(cluster, tmp_path, cifar_dir, name, options,
+                                                                 checkpoint):
+    """scancel after the first epoch: SIGTERM to every process of the job, ranks included (SIGKILL
+    30 s later). The training must still write its checkpoint in the middle of epoch 2, and the job
+    must end cancelled, not requeued, saying how to continue from the checkpoint."""
+    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=after_first_epoch(cancel),
+                 DATA_SRC=cifar_dir, EXTRA_ARGS=ACCEL_PREEMPT_TINY)
+    assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
+    log = job.log
+    assert "SIGTERM received;" in log, job.describe()
+    stopped = stopped_line(log)
+    assert stopped and stopped.group(1) == "2", job.describe()
+    assert Path(stopped.group(3)).name.startswith(checkpoint) and Path(stopped.group(3)).exists(), job.describe()
+    assert f"job {job.job_id} stopped after" in log, job.describe()  # status 75, or taken as 75
+    assert "not requeued after SIGTERM" in log and "restart 1" not in log, job.describe()
+    records = [json.loads(line) for line in (job.run_dir / "log.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "header"]) == 1, records
     assert not job.leftovers, f"processes outlived the job: {job.leftovers}"
 
 
-# The accel_* side, with a stand-in for `accelerate launch` on 2 fake nodes, run through
-# launch_stoppable as accel_multinode.sbatch does: SIGUSR1 would kill it (as it kills accelerate
-# launch); on SIGTERM node 0's prints the training's "checkpoint written" line, and both exit 1.
+# The accel_* side, with a stand-in for `accelerate launch` on 2 nodes, run through launch_stoppable
+# as accel_multinode.sbatch does: SIGUSR1 would kill it (as it kills accelerate launch); on SIGTERM
+# node 0's prints the training's "checkpoint written" line, and both exit 1.
 ACCEL_PREEMPT_PROBE = """#!/bin/bash
-#SBATCH --account=probe
 #SBATCH --nodes=2
 #SBATCH --requeue
 #SBATCH --open-mode=append
@@ -700,37 +761,34 @@ time.sleep(100)
 """
 
 
-@pytest.mark.parametrize("sig", ["USR1", "TERM"])
-def test_accel_stop_goes_through_the_stop_file(tmp_path, sig):
-    """SIGUSR1 or SIGTERM to the batch shell of an accel_*-style script: never passed on as a signal
-    (SIGUSR1 would kill accelerate launch), but written into the stop file; launch_stoppable on each
-    node sends its launcher SIGTERM; the launchers exit 1, and the training's "checkpoint written"
-    line makes that status 75. SIGUSR1 then requeues (the second run finishes); SIGTERM does not."""
-    if not Path("/proc/self/task").exists():
-        pytest.skip("needs Linux /proc to find the batch shell")
+@pytest.mark.parametrize("how", ["preempt", "scancel"])
+def test_accel_stop_goes_through_the_stop_file(cluster, tmp_path, how):
+    """accel_*-style script on 2 nodes. Preemption (SIGUSR1 to the batch shell): never passed on as a
+    signal (SIGUSR1 would kill accelerate launch), but written into the stop file; launch_stoppable
+    on each node sends its launcher SIGTERM; the launchers exit 1, the training's "checkpoint
+    written" line makes that status 75, and the job requeues (the second run finishes). scancel
+    (SIGTERM to every process): the launchers get it from Slurm directly; status 75 again; no requeue."""
     script = write_script(tmp_path, ACCEL_PREEMPT_PROBE)
-    calls = tmp_path / "scontrol.log"
 
-    def stop(proc, job_id):
+    def stop(job):
         for node in (0, 1):
-            wait_for(tmp_path / "runs" / job_id / f"ready-{node}", "the stand-in's start", proc, job_id, tmp_path)
-        os.kill(batch_shell(proc.pid), getattr(signal, f"SIG{sig}"))
+            wait_for(job.run_dir / f"ready-{node}", "the stand-in's start", job)
+        (preempt if how == "preempt" else cancel)(job)
 
-    job = sbatch(tmp_path, script, timeout=60, during=stop, FAKE_SLURM_SCONTROL_LOG=calls, FAKE_SLURM_MAX_RESTARTS=1)
+    job = sbatch(cluster, tmp_path, script, timeout=90, during=stop)
     out = job.output
-    stop_file = job.runs / job.job_id / "stop-request"
+    stop_file = job.run_dir / "stop-request"
     assert "run 0, stop file: run" in out, job.describe()
-    assert f"SIG{sig} received; passed on to the training through {stop_file}" in out, job.describe()
-    assert out.count("stop requested: SIGTERM to accelerate launch") == 2, job.describe()
     assert "stand-in 0 got SIGTERM" in out and "stand-in 1 got SIGTERM" in out, job.describe()
     assert "taken as status 75" in out and "stopped after" in out, job.describe()
-    if sig == "USR1":
-        assert job.returncode == 0, job.describe()
+    if how == "preempt":
+        assert f"SIGUSR1 received; passed on to the training through {stop_file}" in out, job.describe()
+        assert out.count("stop requested: SIGTERM to accelerate launch") == 2, job.describe()
+        assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 1, job.describe()
         assert f"job {job.job_id} requeued" in out and "run 1, stop file: run" in out, job.describe()
         assert "stand-in resumed" in out and f"job {job.job_id} finished" in out, job.describe()
-        assert [c for c in calls.read_text().splitlines() if "requeue" in c] == [f"scontrol requeue {job.job_id}"]
     else:
-        assert job.returncode == 75, job.describe()
+        assert "SIGTERM received;" in out, job.describe()
+        assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
         assert "not requeued after SIGTERM" in out and "run 1" not in out, job.describe()
-        assert not calls.exists() or "requeue" not in calls.read_text()
     assert not job.leftovers, job.describe()

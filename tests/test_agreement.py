@@ -1,0 +1,251 @@
+"""Ranks agree before they train on: what one rank finds (a checkpoint, the data, a stop signal) every rank
+acts on together, so that a run never trains mixed, and never leaves ranks waiting in a collective.
+Both entry points; two "nodes" are two launches on this machine meeting at one port."""
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+import accel_train
+import raw_ddp
+from cifar_wrn import ema as ema_module
+from cifar_wrn.checkpoint import load_checkpoint, resume_disagreement, resume_problem, what_was_seen
+from cifar_wrn.errors import agreed_problem
+from cifar_wrn.model import WideResNet
+from cifar_wrn.profiling import PHASES
+from cifar_wrn.runlog import read_log
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw, start
+from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
+
+PREEMPTED_EXIT = 75
+
+
+def flags(data_dir, *extra):
+    return [*TINY, "--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
+            "--dist-timeout", 60, *extra]
+
+
+def two_nodes(node_flags: list[list], timeout=120):
+    """Two raw_ddp.py "nodes" of one process each on this machine; node k gets node_flags[k]."""
+    port = free_port()
+    procs = [start([sys.executable, "raw_ddp.py", "--num-nodes", 2, "--node-id", k, "--num-gpus", 1,
+                    "--master-addr", "127.0.0.1", "--master-port", port, *extra],
+                   env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))  # no download possible
+            for k, extra in enumerate(node_flags)]
+    return [finish(p, timeout) for p in procs]
+
+
+def two_accel_nodes(node_flags: list[list], timeout=120):
+    """The same for accel_train.py: torchrun with a static rendezvous, one process per "node"."""
+    port = free_port()
+    procs = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node_rank", k,
+                    "--nproc_per_node", 1, "--master_addr", "127.0.0.1", "--master_port", port, "accel_train.py",
+                    "--cpu", *extra], env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))
+             for k, extra in enumerate(node_flags)]
+    return [finish(p, timeout) for p in procs]
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+def test_agreed_problem_names_the_ranks():
+    assert agreed_problem([None, None]) is None
+    assert agreed_problem([None, "no data", "no data", "bad"]) == "ranks 1, 2: no data; rank 3: bad"
+
+
+def test_resume_disagreement_lists_what_each_rank_sees():
+    state = {"epoch": 2, "step": 0, "cumulative_time": 12.5}
+    same = [(what_was_seen(state), None)] * 2
+    assert resume_disagreement(same) is None
+    message = resume_disagreement([(what_was_seen(state), None), (what_was_seen(None), None)])
+    assert "rank 0 sees epoch 2, step 0 (Cumulative Time 12.5 s); rank 1 sees no checkpoint" in message
+    assert resume_disagreement(same[:1] + [(what_was_seen(state), "width differs")]) == "rank 1: width differs"
+
+
+def test_resume_problem_names_a_different_data_size():
+    recipe = {"epochs": 3, "lr_schedule": "constant"}
+    checkpoint = {"world_size": 2, "model_width": 4, "recipe": recipe, "train_images": 320, "val_images": 101,
+                  "steps_per_epoch": 5}
+    data = {"train_images": 320, "val_images": 101, "steps_per_epoch": 5}
+    assert resume_problem(checkpoint, recipe, 2, 4, data) is None
+    problem = resume_problem(checkpoint, recipe, 2, 4, dict(data, train_images=160, steps_per_epoch=2))
+    assert "train images = 320, this run has 160" in problem and "--train-subset" in problem
+    old = {k: v for k, v in checkpoint.items() if k not in data}  # written before the sizes were stored
+    assert resume_problem(old, recipe, 2, 4, data) is None
+
+
+def test_ema_warms_up_and_lives_on_the_model_device():
+    assert [round(ema_module.warmed_up_decay(0.999, n), 3) for n in (0, 8, 80)] == [0.1, 0.5, 0.9]
+    assert ema_module.warmed_up_decay(0.99, 10_000) == 0.99
+    # device=: on a GPU the update counter must live with the weights (NCCL broadcasts only CUDA tensors);
+    # the meta device stands in for "not the CPU" here
+    assert ema_module.build_ema(WideResNet(width=4).to("meta"), decay=0.9).n_averaged.device.type == "meta"
+    model = WideResNet(width=4)
+    ema = ema_module.build_ema(model, decay=0.99)
+    ema.update_parameters(model)  # the first update copies the weights
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update_parameters(model)  # after 1 update the decay is min(0.99, 2/11): mostly the new weights
+    decay = 2 / 11
+    for averaged, old, new in zip(ema.module.parameters(), before, model.parameters()):
+        assert torch.allclose(averaged, decay * old + (1 - decay) * new, atol=1e-6)
+
+
+def record_evaluation_broadcasts(monkeypatch, entry_point, owner, name):
+    """Wrap owner.<name> (the broadcast the entry point calls) and entry_point.build_ema (to find the EMA)."""
+    calls, emas = [], []
+    original_broadcast, original_build = getattr(owner, name), entry_point.build_ema
+
+    def broadcast(tensors, *args, **kwargs):
+        calls.extend(tensors if isinstance(tensors, (list, tuple)) else [tensors])
+        return original_broadcast(tensors, *args, **kwargs)
+
+    def build(*args, **kwargs):
+        emas.append(original_build(*args, **kwargs))
+        return emas[-1]
+
+    monkeypatch.setattr(owner, name, broadcast)
+    monkeypatch.setattr(entry_point, "build_ema", build)
+    monkeypatch.setattr(entry_point.signal, "signal", lambda *a: None)  # keep pytest's own signal handlers
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # and its thread count
+    return calls, emas
+
+
+def check_only_network_buffers(calls, emas):
+    (ema,) = emas
+    network = {t.data_ptr() for t in ema.module.buffers()}
+    assert calls and all(t.data_ptr() in network for t in calls), "a tensor other than the network's buffers"
+    assert all(t.device == next(ema.module.parameters()).device for t in calls)
+
+
+def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch):
+    """Before evaluation rank 0's BatchNorm statistics are broadcast. With an EMA, AveragedModel.buffers() also
+    holds its update counter: broadcasting it is useless, and on GPUs (a CPU tensor through NCCL) a crash."""
+    calls, emas = record_evaluation_broadcasts(monkeypatch, raw_ddp, raw_ddp.dist, "broadcast")
+    args, recipe = raw_ddp.resolve(raw_ddp.parse_args(
+        [str(f) for f in flags(cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9")]))
+    raw_ddp.train_process(0, args, recipe)
+    check_only_network_buffers(calls, emas)
+
+
+def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatch):
+    from accelerate.state import AcceleratorState
+    calls, emas = record_evaluation_broadcasts(monkeypatch, accel_train, accel_train, "broadcast")
+    args, recipe = accel_train.resolve(accel_train.parse_args(
+        [str(f) for f in reliability_flags(cifar_dir, "--epochs", 1, "--set", "ema_decay=0.9")]))
+    try:
+        accel_train.train_process(args, recipe)
+    finally:
+        AcceleratorState._reset_state(True)  # Accelerate's state is process-wide
+    check_only_network_buffers(calls, emas)
+
+
+# ----------------------------------------------------------------------------- resume: one decision for all
+
+def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path):
+    ck = tmp_path / "ck"
+    first = run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", ck))
+    assert first.returncode == 0, first.stderr
+    node0, node1 = two_nodes([flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
+                              flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "empty",
+                                    "--auto-resume")])
+    for node in (node0, node1):
+        assert node.returncode == 2 and node.seconds < 120, node.stderr
+        assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
+        assert "Epoch = " not in node.stdout and "Traceback" not in node.stderr
+    both = two_nodes([flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume")] * 2)
+    assert [r.returncode for r in both] == [0, 0], both[0].stderr + both[1].stderr  # a shared folder: both resume
+    assert "Resuming from" in both[0].stdout and both[0].stdout.count("Epoch = ") == 1
+
+
+def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path):
+    ck = tmp_path / "ck"
+    first = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 1,
+                                                                             "--checkpoint-dir", ck))
+    assert first.returncode == 0, first.stderr[-3000:]
+    node_flags = lambda folder: [str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir",
+                                                                   folder, "--auto-resume")[1:]]
+    node0, node1 = two_accel_nodes([node_flags(ck), node_flags(tmp_path / "empty")])
+    for node in (node0, node1):
+        assert node.returncode != 0 and node.seconds < 120
+        assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
+        assert 'accel_train.py", line' not in node.stderr
+
+
+def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path):
+    ck = tmp_path / "ck"
+    assert run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", ck)).returncode == 0
+    other = run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
+                    "--train-subset", TRAIN_IMAGES // 2)
+    assert other.returncode == 2 and "Epoch = " not in other.stdout
+    assert f"train images = {TRAIN_IMAGES}, this run has {TRAIN_IMAGES // 2}" in other.stderr
+    ack = tmp_path / "ack"
+    launch = lambda *extra: accelerate_launch(CONFIGS / "two_cpus.yaml",
+                                              *reliability_flags(cifar_dir, "--checkpoint-dir", ack, *extra))
+    assert launch("--epochs", 1).returncode == 0
+    other = launch("--epochs", 2, "--resume", "--val-subset", 51)
+    assert other.returncode != 0 and not other.stdout.count("Epoch = ")
+    assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
+
+
+# ----------------------------------------------------------------------------- data: every node has it
+
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
+    empty = tmp_path / "empty"
+    if trainer == "raw":
+        nodes = two_nodes([flags(cifar_dir, "--epochs", 1), flags(empty, "--epochs", 1)])
+    else:
+        nodes = two_accel_nodes([[str(f) for f in reliability_flags(data_dir, "--epochs", 1)[1:]]
+                                 for data_dir in (cifar_dir, empty)])
+    for node in nodes:
+        assert node.returncode != 0 and node.seconds < 120
+        assert f"node 1: CIFAR-10 is not in {empty / 'cifar-10-batches-py'}" in node.stderr, node.stderr[-2000:]
+        assert "Epoch = " not in node.stdout
+
+
+# ----------------------------------------------------------------------------- stop signals
+
+def test_sigterm_to_every_process_checkpoints_and_resumes(cifar_dir, tmp_path):
+    """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank."""
+    long_epochs = ["--num-gpus", 2, "--batch-size", 4, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]
+    proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")])
+    from conftest import wait_for_epoch
+    wait_for_epoch(tmp_path / "l.jsonl")
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher leads its own session: this reaches every rank
+    result = finish(proc, 60)
+    assert result.returncode == PREEMPTED_EXIT, result.stderr
+    assert "stopped by a signal at epoch 2, step" in result.stderr and "checkpoint written" in result.stderr
+    checkpoint = load_checkpoint(tmp_path / "ck")
+    assert checkpoint["epoch"] == 1 and 0 < checkpoint["step"] < 40
+    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"epoch 2, step {checkpoint['step']} of 40" in resumed.stdout
+    _, epochs = read_log(tmp_path / "l.jsonl")
+    assert [e["epoch"] for e in epochs] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- --profile after such a resume
+
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path, trainer):
+    """A stop at the epoch's last step leaves a checkpoint with step == steps_per_epoch: the resumed epoch
+    runs no step, and --profile must still report it (it once used the batch of a step never run)."""
+    ck = tmp_path / "ck"
+    if trainer == "raw":
+        run = lambda *extra, env=None: run_raw("--num-gpus", 2, *flags(cifar_dir, "--checkpoint-dir", ck, *extra),
+                                               env=env)
+    else:
+        run = lambda *extra, env=None: accelerate_launch(
+            CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ck, *extra), env=env)
+    stopped = run("--epochs", 2, env=(cpu_env if trainer == "raw" else accel_env)(CIFAR_WRN_TEST_STOP_AT="1,5"))
+    assert "stopped by a signal at epoch 1, step 5" in stopped.stderr, stopped.stderr[-2000:]
+    resumed = run("--epochs", 2, "--resume", "--profile", "--log-json", tmp_path / "l.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epoch 1, step 5 of 5" in resumed.stdout and resumed.stdout.count("Epoch = ") == 2
+    _, epochs = read_log(tmp_path / "l.jsonl")
+    assert epochs[0]["comm_estimate"] == 0.0 and set(epochs[0]["profile"]) == set(PHASES)
+    assert epochs[1]["comm_estimate"] >= 0.0

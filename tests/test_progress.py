@@ -1,0 +1,280 @@
+"""Progress bars (cifar_wrn/progress.py, --progress; issue 14 part 1).
+
+Unit tests of the bars: the loss is read from the device only at the trainers' agreement steps, a hidden bar
+writes and touches nothing. Then both trainers as users run them, 2 gloo CPU processes, tiny models, one epoch
+of 5 steps: with stderr on a pseudo-terminal the bar is drawn there (carriage returns, the step counter, the
+validation bar); with stdout and stderr in files (a Slurm output file, a CI log) or pipes there is not one
+carriage return, and the epoch lines are the same as in the terminal run (times aside: the validation metrics
+to the digit, so the bar does not change training either).
+"""
+import argparse
+import fcntl
+import io
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader
+
+from cifar_wrn import progress
+from cifar_wrn.cli import add_training_flags, show_progress
+from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
+from cifar_wrn.model import WideResNet
+from conftest import REPO, TINY, VAL_IMAGES, cpu_env, free_port
+from test_accel import CONFIGS, accel_env, reliability_flags
+
+TIMEOUT = 240  # seconds per run; the whole process group is killed after that
+STEPS = 5      # 320 training images, 32 per process, 2 processes
+EPOCH_LINE = re.compile(r"^Epoch = +1: Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+
+
+# ----------------------------------------------------------------------------- the bars, in this process
+
+class Spy(torch.Tensor):
+    """A loss tensor that records every torch operation on it and on what is computed from it."""
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+# What a per-step call may do with the loss: queue work on its device. Anything else (item, __bool__,
+# __float__, tolist, cpu, ...) makes the host wait for the device.
+ASYNC = {"detach", "float", "clone", "add_"}
+
+
+@pytest.mark.parametrize("start_step", [0, 7])
+def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
+    """25 steps (resumed at 7): the loss is read at steps 10, 20 and 25, as the trainers' step agreement, and
+    the bar shows the mean of the losses since the previous read."""
+    bar = progress.EpochBar(True, 3, 25, start_step=start_step, images_per_step=64)
+    reads = []
+    for step in range(start_step, 25):
+        Spy.calls.clear()
+        bar.step(torch.tensor(float(step)).as_subclass(Spy))
+        assert set(Spy.calls) - {"item"} <= ASYNC, Spy.calls
+        if "item" in Spy.calls:
+            assert Spy.calls.count("item") == 1
+            reads.append((step + 1, bar._bar.postfix))
+    bar.close()
+    first = (start_step, 9)  # the losses (= step indices) of the first window: steps start_step + 1 ... 10
+    assert reads == [(10, f"loss={sum(range(first[0], first[1] + 1)) / (first[1] - first[0] + 1):.3f}"),
+                     (20, f"loss={sum(range(10, 20)) / 10:.3f}"),
+                     (25, f"loss={sum(range(20, 25)) / 5:.3f}")]
+    err = capsys.readouterr().err
+    assert "epoch 3" in err and f"{start_step}/25" in err and "25/25" in err and "img/s" in err
+    assert "loss=22.000" in err and "\r" in err
+
+
+def test_hidden_bars_write_nothing_and_touch_nothing(capsys):
+    bar = progress.EpochBar(False, 1, 25, images_per_step=64)
+    Spy.calls.clear()
+    for step in range(25):
+        bar.step(torch.tensor(1.0).as_subclass(Spy))
+    bar.close()
+    bar.close()
+    assert Spy.calls == []
+    loader = [1, 2, 3]
+    assert progress.validation_bar(False, loader) is loader  # not even wrapped
+    assert capsys.readouterr() == ("", "")
+
+
+def test_bars_go_to_stderr_and_erase_themselves(capsys):
+    bar = progress.EpochBar(True, 1, 3, images_per_step=64)
+    for _ in range(3):
+        bar.step(torch.tensor(2.0))
+    bar.close()
+    assert list(progress.validation_bar(True, range(4))) == [0, 1, 2, 3]
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "epoch 1" in err and "3/3" in err and "loss=2.000" in err and "validation" in err
+    assert err.endswith("\r")  # leave=False: the last thing written blanks the line and returns to its start
+
+
+def test_close_all_erases_the_bars_an_error_left(capsys):
+    bar = progress.EpochBar(True, 1, 10)
+    bar.step(torch.tensor(1.0))  # ... and then the step loop raised
+    progress.close_all()
+    assert bar._bar.disable  # closed
+    assert capsys.readouterr().err.endswith("\r")
+
+
+class FakeStderr(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("flags, terminal, is_main, shown", [
+    ([], True, True, True),                        # auto: a terminal
+    ([], False, True, False),                      # auto: a file or a pipe
+    ([], True, False, False),                      # never on the other ranks
+    (["--progress", "on"], False, True, True),     # asked for
+    (["--progress", "on"], True, False, False),
+    (["--progress", "off"], True, True, False),    # refused
+])
+def test_show_progress(flags, terminal, is_main, shown, monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_training_flags(parser)
+    args = parser.parse_args(flags)
+    monkeypatch.setattr(sys, "stderr", FakeStderr(terminal))
+    assert show_progress(args, is_main) is shown
+
+
+def test_progress_flag_refuses_other_values(capsys):
+    parser = argparse.ArgumentParser()
+    add_training_flags(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--progress", "yes"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_evaluate_through_a_validation_bar(cifar_dir, capsys):
+    """evaluate() takes the bar in place of the loader, with both pipelines' loaders, and sums the same."""
+    images, labels = load_split(cifar_dir, train=False, subset=VAL_IMAGES)
+    torch.manual_seed(0)
+    model = WideResNet(width=4)
+    mask = torch.ones(VAL_IMAGES, dtype=torch.bool)
+    cpu = torch.device("cpu")
+    loaders = [DataLoader(CIFAR10(images, labels, augment=False), batch_size=16),
+               DataLoader(DeviceBatches(images, labels, "cpu", augment=False), batch_size=None,
+                          sampler=BatchSampler(range(VAL_IMAGES), 16, drop_last=False))]
+    for loader in loaders:
+        expected = evaluate(model, loader, mask, cpu)
+        assert torch.equal(evaluate(model, progress.validation_bar(True, loader), mask, cpu), expected)
+        assert expected[2] == VAL_IMAGES
+    assert "validation" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- both trainers, end to end
+
+def raw_command(data_dir, *flags):
+    return [sys.executable, "raw_ddp.py", "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY,
+            "--dist-timeout", 60, "--data-dir", data_dir, "--train-subset", 320, "--val-subset", VAL_IMAGES,
+            "--epochs", 1, *flags]
+
+
+def accel_command(data_dir, *flags):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
+            "--main_process_port", free_port(), "accel_train.py", *reliability_flags(data_dir, "--epochs", 1, *flags)]
+
+
+TRAINERS = {"raw_ddp": (raw_command, cpu_env), "accel_train": (accel_command, accel_env)}
+
+
+def run_in_terminal(cmd, env) -> tuple[int, str, str]:
+    """Run with stderr on a pseudo-terminal (100 columns) and stdout on a pipe, as `python raw_ddp.py ... | tee`
+    in a terminal has them. Returns the exit status, stdout, and everything written to the terminal."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    attributes = termios.tcgetattr(terminal)
+    attributes[1] &= ~termios.OPOST  # no "\n" -> "\r\n": every carriage return read back was written by the run
+    termios.tcsetattr(terminal, termios.TCSANOW, attributes)
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    out_fd = proc.stdout.fileno()
+    received = {controller: [], out_fd: []}
+    open_fds = set(received)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while open_fds:
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {TIMEOUT} s (process group killed): {' '.join(map(str, cmd))}")
+            for fd in select.select(list(open_fds), [], [], 1.0)[0]:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:  # EIO: every process holding the terminal has exited
+                    data = b""
+                if data:
+                    received[fd].append(data)
+                else:
+                    open_fds.discard(fd)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(controller)
+        proc.stdout.close()
+    text = {fd: b"".join(data).decode(errors="replace") for fd, data in received.items()}
+    return proc.returncode, text[out_fd], text[controller]
+
+
+def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
+    """Run with stdout and stderr in files, as a Slurm job or a CI log has them."""
+    with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"timed out after {TIMEOUT} s (process group killed): {' '.join(map(str, cmd))}")
+    # Bytes: read_text() would turn every "\r" into "\n" (universal newlines) and hide what is looked for.
+    return proc.returncode, *((folder / name).read_bytes().decode() for name in ("out.txt", "err.txt"))
+
+
+def without_times(stdout: str) -> str:
+    return re.sub(r"(Cumulative Time|Epoch Time|Images/sec) = [\d.]+", r"\1 = *", stdout)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_bar_in_a_terminal_and_clean_files(trainer, cifar_dir, tmp_path):
+    command, env = TRAINERS[trainer]
+    rc, stdout, terminal = run_in_terminal(command(cifar_dir), env())
+    assert rc == 0, terminal[-3000:]
+    # The bars, on stderr: redrawn in place, the training bar up to its last step, the validation bar.
+    assert "\r" in terminal and "epoch 1" in terminal and f"{STEPS}/{STEPS}" in terminal, terminal[-3000:]
+    assert re.search(r"img/s, loss=\d+\.\d{3}", terminal) and "validation" in terminal, terminal[-3000:]
+    # Drawn by rank 0 only: one bar, so one "0/5" at its start.
+    assert terminal.count(f" 0/{STEPS} ") == 1, terminal[-3000:]
+    # stdout (here a pipe, as with `| tee`) has the epoch line only.
+    assert "\r" not in stdout and len(EPOCH_LINE.findall(stdout)) == 1, stdout
+
+    rc, file_stdout, file_stderr = run_to_files(command(cifar_dir), env(), tmp_path)
+    assert rc == 0, file_stderr[-3000:]
+    assert "\r" not in file_stdout + file_stderr
+    assert "epoch 1" not in file_stderr and "img/s" not in file_stderr and "validation" not in file_stderr
+    # The same epoch line to the digit (times aside): the bar changed nothing in training or in the output.
+    assert without_times(file_stdout) == without_times(stdout), (file_stdout, stdout)
+
+
+def test_raw_ddp_progress_off_in_a_terminal(cifar_dir):
+    rc, stdout, terminal = run_in_terminal(raw_command(cifar_dir, "--progress", "off"), cpu_env())
+    assert rc == 0, terminal[-3000:]
+    assert "\r" not in terminal and "epoch 1" not in terminal and len(EPOCH_LINE.findall(stdout)) == 1
+
+
+def test_accel_train_progress_on_into_a_file(cifar_dir, tmp_path):
+    """Asked for, the bar is drawn into a file too (rank 0's only); the epoch line stays on stdout."""
+    rc, stdout, stderr = run_to_files(accel_command(cifar_dir, "--progress", "on"), accel_env(), tmp_path)
+    assert rc == 0, stderr[-3000:]
+    assert "\r" in stderr and f"{STEPS}/{STEPS}" in stderr and stderr.count(f" 0/{STEPS} ") == 1
+    assert "\r" not in stdout and len(EPOCH_LINE.findall(stdout)) == 1
+
+
+def test_an_error_starts_on_its_own_line(cifar_dir):
+    """A run stopped in the middle of an epoch (a non-finite loss at step 3, found at the agreement at step 5):
+    the bar is erased before the error message, which does not run on after it."""
+    env = cpu_env(CIFAR_WRN_TEST_NAN_AT="0,1,3")
+    rc, stdout, terminal = run_in_terminal(raw_command(cifar_dir), env)
+    assert rc == 1, terminal[-3000:]
+    line = terminal[:terminal.index("error: non-finite loss")].rsplit("\n", 1)[-1]
+    assert line.rsplit("\r", 1)[-1] == "", repr(terminal[-2000:])

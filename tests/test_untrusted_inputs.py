@@ -1,0 +1,233 @@
+"""Files from shared storage must not run code, and the last bad inputs (issue 15).
+
+A crafted file here is one whose unpickling would call open(marker, "w"), as it could call anything: loading
+must refuse it with a message naming the file, and the marker must not exist afterwards.
+"""
+import pickle
+import re
+import shutil
+import struct
+import sys
+
+import pytest
+import torch
+
+from cifar_wrn.checkpoint import TRAINING_STATE, CheckpointError, load_checkpoint, read_training_state
+from cifar_wrn.data import DataError, load_split
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, run, synthetic_batch, write_cifar
+
+NOT_OURS = "is not a checkpoint this project wrote"
+
+
+class RunsCode:
+    """Unpickled by a full unpickler, this creates `marker`: what a crafted file could do with any code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def data_flags(data_dir):
+    return ["--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
+
+
+def accel_train(*flags, timeout=180):
+    """accel_train.py as one CPU process without a launcher (the file handling is the same as with 2)."""
+    return run([sys.executable, "accel_train.py", "--cpu", *flags], timeout=timeout,
+               env={k: v for k, v in cpu_env().items() if not k.startswith("ACCELERATE_")})
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 batch files
+
+class Python2Pickler(pickle._Pickler):
+    """What Python 2's cPickle wrote for the official files: protocol 2, byte strings as BINSTRING (read back
+    as str with encoding="latin1"), numpy's functions under numpy.core."""
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_python2_str(self, obj):
+        self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_python2_str
+
+    def save_global(self, obj, name=None):
+        module = obj.__module__.replace("numpy._core", "numpy.core")
+        self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode())
+        self.memoize(obj)
+
+
+@pytest.mark.parametrize("protocol", ["python2", 0, 2, 4, 5])
+def test_batch_files_load_whatever_wrote_them(tmp_path, protocol):
+    """The official files (Python 2), the offline copy (protocol 4) and copies others may write (0-5)."""
+    write_cifar(tmp_path, per_train_file=4, val_images=4)
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    batch = synthetic_batch(4, seed=7)
+    if protocol == "python2":
+        batch = {b"batch_label": b"testing batch 1 of 1", b"labels": batch["labels"], b"data": batch["data"],
+                 b"filenames": [b"a.png", b"b.png", b"c.png", b"d.png"]}
+        with open(path, "wb") as f:
+            Python2Pickler(f, protocol=2).dump(batch)
+        assert b"cnumpy.core.multiarray\n_reconstruct\n" in path.read_bytes()
+    else:
+        path.write_bytes(pickle.dumps(dict(batch, batch_label="testing batch 1 of 1"), protocol=protocol))
+    images, labels = load_split(tmp_path, train=False, subset=4)
+    assert torch.equal(images.reshape(4, -1), torch.from_numpy(synthetic_batch(4, seed=7)["data"]))
+    assert labels.tolist() == synthetic_batch(4, seed=7)["labels"]
+
+
+def crafted_batch(path, marker):
+    with open(path, "wb") as f:
+        pickle.dump({**synthetic_batch(4, seed=3), "batch_label": RunsCode(marker)}, f)
+
+
+def test_crafted_batch_file_is_refused_and_runs_nothing(tmp_path):
+    write_cifar(tmp_path, per_train_file=4, val_images=4)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    crafted_batch(path, tmp_path / "marker")
+    with pytest.raises(DataError, match=f"{path} is not a CIFAR-10 batch file: it asks for io.open"):
+        load_split(tmp_path, train=True, subset=8)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
+    shutil.copytree(cifar_dir, tmp_path / "d")
+    path = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_5"
+    crafted_batch(path, tmp_path / "marker")
+    result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
+    assert result.returncode == 2, result.stderr
+    assert f"{path} is not a CIFAR-10 batch file" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "marker").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def test_raw_resume_refuses_a_crafted_checkpoint(cifar_dir, tmp_path):
+    path = tmp_path / "ck" / "checkpoint.pt"
+    path.parent.mkdir()
+    torch.save({"epoch": 1, "world_size": 2, "model_width": 4, "recipe": RunsCode(tmp_path / "marker")}, path)
+    before = path.read_bytes()
+    result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--epochs", 2,
+                     "--checkpoint-dir", path.parent, "--resume", timeout=90)
+    assert result.returncode == 2, result.stderr
+    assert f"{path} {NOT_OURS}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "marker").exists()
+    assert path.read_bytes() == before  # left as it was, for whoever looks into it
+
+
+def test_checkpoint_files_are_read_as_data_only(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match=f"{NOT_OURS} \\(it holds a list, not a dict\\)"):
+        load_checkpoint(tmp_path)
+    torch.save({"epoch": 1}, path)
+    with pytest.raises(CheckpointError, match=f"{NOT_OURS} \\(it lacks step, "):
+        load_checkpoint(tmp_path)
+    torch.save({"epoch": RunsCode(tmp_path / "marker")}, tmp_path / TRAINING_STATE)
+    with pytest.raises(CheckpointError, match=f"{TRAINING_STATE} {NOT_OURS} .*Unsupported global: GLOBAL io.open"):
+        read_training_state(tmp_path)
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.fixture(scope="module")
+def accel_checkpoint(cifar_dir, tmp_path_factory):
+    """accel_train.py's checkpoint after epoch 1 of 2 (EMA on), and the 2-epoch run's final (EMA) weights."""
+    out = tmp_path_factory.mktemp("accel_ck")
+    common = [*data_flags(cifar_dir), "--model-width", 4, "--set", "eval_batch_size=64", "--set", "ema_decay=0.9"]
+    straight = accel_train(*common, "--epochs", 2, "--save", out / "straight.pt")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = accel_train(*common, "--epochs", 1, "--checkpoint-dir", out / "ck")
+    assert first.returncode == 0, first.stderr[-3000:]
+    files = [p.name for p in (out / "ck" / "state-1").iterdir()]
+    assert TRAINING_STATE in files and not any(name.startswith("custom_checkpoint") for name in files)
+    return out / "ck", [*common, "--epochs", 2], out / "straight.pt"
+
+
+def as_legacy(directory):
+    """The folder as accel_train.py wrote it before training_state.pt: register_for_checkpointing's files."""
+    folder = directory / (directory / "LATEST").read_text().strip()
+    state = torch.load(folder / TRAINING_STATE)
+    ema = state.pop("ema")
+    torch.save(state, folder / "custom_checkpoint_0.pkl")
+    torch.save(ema, folder / "custom_checkpoint_1.pkl")
+    (folder / TRAINING_STATE).unlink()
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["current", "legacy"])
+def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel_checkpoint, tmp_path, layout):
+    ck, flags, straight = accel_checkpoint
+    shutil.copytree(ck, tmp_path / "ck")
+    if layout == "legacy":
+        as_legacy(tmp_path / "ck")
+    resumed = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--resume", "--save", tmp_path / "w.pt")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout and resumed.stdout.count("Epoch = ") == 1
+    a, b = torch.load(straight), torch.load(tmp_path / "w.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA weights, bitwise
+
+
+@pytest.mark.parametrize("crafted", ["legacy custom_checkpoint_0.pkl", TRAINING_STATE, "optimizer.bin",
+                                     "random_states_0.pkl"])
+def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted):
+    """custom_checkpoint_0.pkl: what accel_train.py read with weights_only=False before; the others: what
+    it reads now (its own file, and what accelerator.load_state reads)."""
+    ck, flags, _ = accel_checkpoint
+    shutil.copytree(ck, tmp_path / "ck")
+    folder = as_legacy(tmp_path / "ck") if crafted.startswith("legacy") else \
+        tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
+    path = folder / crafted.split()[-1]
+    torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
+    before = path.read_bytes()
+    result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
+    assert result.returncode == 2, result.stderr[-3000:]
+    shown = path if crafted in ("legacy custom_checkpoint_0.pkl", TRAINING_STATE) else folder
+    assert f"{shown} {NOT_OURS}" in result.stderr and 'accel_train.py", line' not in result.stderr
+    assert "Epoch = " not in result.stdout and not (tmp_path / "marker").exists()
+    assert path.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- bad inputs, before any process
+
+BAD_INPUTS = {
+    "label_smoothing": (["--set", "label_smoothing=1.5"], r"label_smoothing must be in \[0, 1\) \(got 1.5\)"),
+    "momentum": (["--set", "momentum=2"], r"momentum must be in \[0, 1\) \(got 2.0\)"),
+    "binary recipe": (["--recipe", "{binary}"], r"{binary}: not a text file \(byte 0 is not UTF-8\)"),
+    "warmup": (["--recipe", "fast", "--set", "warmup_epochs=3", "--epochs", "2"],
+               r"warmup_epochs 3 is longer than epochs 2: the learning rate would still be rising when training "
+               r"ends, at 67% of its peak"),
+}
+
+
+def bad_input(tmp_path, case):
+    binary = tmp_path / "recipe.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+    flags, message = BAD_INPUTS[case]
+    return [f.format(binary=binary) for f in flags], message.format(binary=re.escape(str(binary)))
+
+
+@pytest.mark.parametrize("entry", ["raw_ddp", "accel_train"])
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_inputs_are_refused_when_the_flags_are_read(tmp_path, monkeypatch, entry, case):
+    """resolve() runs before raw_ddp.py spawns its ranks, and in accel_train.py before Accelerator() joins them."""
+    import importlib
+    from cifar_wrn.errors import UserError
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(key, raising=False)
+    module = importlib.import_module(entry)
+    flags, message = bad_input(tmp_path, case)
+    launch = ["--device", "cpu"] if entry == "raw_ddp" else ["--cpu"]
+    with pytest.raises(UserError, match=message) as refused:
+        module.resolve(module.parse_args([*launch, *flags]))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("entry", ["raw_ddp.py", "accel_train.py"])
+def test_bad_input_is_one_error_line_and_status_2(tmp_path, entry):
+    flags, message = bad_input(tmp_path, "binary recipe")
+    launch = ["--device", "cpu"] if entry == "raw_ddp.py" else ["--cpu"]
+    result = run([sys.executable, entry, *launch, *flags], timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert re.fullmatch("error: " + message + ".*", result.stderr.strip()), result.stderr
