@@ -4,8 +4,12 @@ Launch flags differ between the two and stay in each entry point: raw_ddp.py has
 --node-id, --num-gpus and the rendezvous (R1.1); accel_train.py leaves them to `accelerate launch`.
 """
 import argparse
+import os
+import socket
 import sys
 
+from .checkpoint import check_writable
+from .errors import UserError
 from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set
 

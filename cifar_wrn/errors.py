@@ -42,8 +42,12 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
     failed rank the launcher notices first: RunStopped by rank 0 (all ranks stop together), a UserError
     as one line (exit status 2), a broken collective as "lost contact" (a peer probably failed), anything
     else with the rank number and its traceback (exit status 1)."""
+    from .progress import close_all  # (imported here: progress imports this module's neighbours)
     try:
-        train()
+        try:
+            train()
+        finally:
+            close_all()  # a progress bar left half-drawn must not swallow the message's first line
     except RunStopped as exc:
         if str(rank) == "0":
             print(f"{'error: ' if exc.status == 1 else ''}{exc}", file=sys.stderr, flush=True)

@@ -30,9 +30,12 @@ class PhaseTimer:
             return event
         return time.perf_counter()
 
-    def start(self) -> None:
+    def start(self, device: torch.device) -> float:
+        """A new epoch: returns its start on the epoch clock (synchronized_clock), and starts the phase marks."""
+        t0 = synchronized_clock(device)
         if self.enabled:
             self.marks = [(None, self._now())]
+        return t0
 
     def mark(self, phase: str) -> None:
         """The phase that has just ended (the time since the previous mark belongs to it)."""

@@ -5,7 +5,7 @@ Both entry points use it the same way, on the process that prints (rank 0), on s
 nothing is created or written and the per-step call returns at once, so Slurm output files, CI logs and
 `| tee` keep exactly the epoch lines (stdout), without a carriage return.
 
-    bar = EpochBar(show, epoch + 1, steps_per_epoch, skip, global_batch_size, CHECK_EVERY)
+    bar = EpochBar(show, epoch + 1, steps_per_epoch, skip, global_batch_size)
     for step, (images, labels) in ...:
         ...                                     # forward, backward, optimizer step, step agreement
         bar.step(loss)
@@ -27,13 +27,14 @@ import weakref
 
 from tqdm import tqdm
 
+from .resilience import CHECK_EVERY  # the steps where the trainers agree, and so wait for the device
+
 # tqdm's monitor thread (it wakes every 10 s to fix a stalled miniters) is of no use to a bar updated every
 # step, and a stray thread is unwelcome in processes that fork DataLoader workers and handle signals.
 tqdm.monitor_interval = 0
 
-CHECK_EVERY = 10  # must match the trainers' CHECK_EVERY: the loss is read at their agreement steps only
-
-TRAIN_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {img_rate} img/s{postfix}]"
+TRAIN_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                "[{elapsed}<{remaining}, {img_rate} img/s{postfix}]")
 
 _open_bars: "weakref.WeakSet[tqdm]" = weakref.WeakSet()
 

@@ -210,9 +210,9 @@ def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size
 
 def check_supported(recipe: Recipe, supported: frozenset, trainer: str) -> None:
     """Refuse a recipe that sets a key `trainer` does not implement (rather than train without it)."""
-    defaults = Recipe()
-    unsupported = [f"{name}={getattr(recipe, name)!r}" for name in FIELDS
-                   if name not in supported and getattr(recipe, name) != getattr(defaults, name)]
+    defaults = type(recipe)()
+    unsupported = [f"{f.name}={getattr(recipe, f.name)!r}" for f in fields(recipe)
+                   if f.name not in supported and getattr(recipe, f.name) != getattr(defaults, f.name)]
     if unsupported:
         raise RecipeError(f"recipe key(s) {', '.join(unsupported)} are not implemented by {trainer} (raw_ddp.py "
                           f"only); use a recipe that leaves them at their defaults")

@@ -5,7 +5,9 @@ one munged with its own key and socket, one slurmctld and two slurmd daemons, `n
 all on 127.0.0.1 with ports of their own, under a private configuration (SLURM_CONF) and state in
 a temporary folder. Nothing here reads or writes /etc/slurm, /etc/munge or a Slurm already running
 on the machine, and `stop()` ends exactly the processes `start()` started (by process id), then
-any job process the cluster left behind.
+any process its slurmd daemons left behind (slurmstepd, a job's processes: found by the mount
+namespace each slurmd runs in, see below). Should the test run itself be killed, the daemons get
+SIGTERM as their parent dies (PR_SET_PDEATHSIG). Needs root.
 
 The cluster looks like two of Falcon's A30 nodes to sbatch: partitions a30_normal_q (default) and
 a30_preemptable_q, 64 cores and `Gres=gpu:4` per node (gres.conf names placeholder device files,
@@ -31,7 +33,7 @@ Times are shortened for tests: a requeued job may start again after `cred_expire
 default is 120 s), the scheduler looks at pending jobs every 2 s.
 
 Run by hand: `python tests/slurm_cluster.py` starts one and prints the SLURM_CONF to export, and
-stops it on Ctrl-C.
+stops it on Ctrl-C or SIGTERM.
 """
 from __future__ import annotations
 
@@ -142,6 +144,19 @@ def node_cpus(index: int) -> str:
     return ",".join(map(str, mine))
 
 
+def mount_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def processes_in(namespaces: set) -> list[int]:
+    """Processes in any of these mount namespaces (from /proc)."""
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()
+            and mount_namespace(int(e.name)) in namespaces]
+
+
 def processes_with(needle: bytes, exclude=()) -> list[int]:
     """Processes whose environment holds `needle` (NAME=value), from /proc."""
     found = []
@@ -178,6 +193,7 @@ class SlurmCluster:
         self.log = log
         self.conf = self.root / "etc" / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.namespaces: set[str] = set()  # the slurmd daemons' mount namespaces (their jobs run in them)
         self.first_job_id = 0
 
     # ------------------------------------------------------------------ environment for clients
@@ -378,6 +394,8 @@ InactiveLimit=0
                 states = dict(line.split()[:2] for line in result.stdout.splitlines() if line.strip())
                 return result.returncode == 0 and all(states.get(n, "").startswith("idle") for n in NODES)
             self._wait(f"{', '.join(NODES)} idle", nodes_idle, timeout, list(self.procs))
+            host = mount_namespace(os.getpid())
+            self.namespaces = {mount_namespace(self.procs[f"slurmd-{n}"].pid) for n in NODES} - {None, host}
         except BaseException:
             self.stop()
             raise
@@ -400,7 +418,7 @@ InactiveLimit=0
 
     def stop(self) -> list[int]:
         """Cancel what still runs, stop the daemons started here (by process id), then kill any process
-        of the cluster's jobs still alive. Returns the process ids of those."""
+        left in the slurmd daemons' namespaces (slurmstepd, job processes). Returns their process ids."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             try:
                 jobs = self.command("squeue", "-h", "-o", "%A", check=False, timeout=15).stdout.split()
@@ -421,8 +439,8 @@ InactiveLimit=0
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        # slurmstepd and job processes (started by the daemons above) carry SLURM_CONF=<ours>.
-        leftovers = processes_with(f"SLURM_CONF={self.conf}".encode())
+        # slurmstepd and the jobs' processes, started by the slurmd daemons, live in their namespaces.
+        leftovers = processes_in(self.namespaces)
         for pid in leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)

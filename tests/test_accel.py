@@ -67,9 +67,41 @@ def banners(path: Path) -> list[str]:
 # ----------------------------------------------------------------------------- without processes
 
 def test_banner_sections_match_raw_ddp():
-    """accel_train.py mirrors raw_ddp.py section by section, so that the two diff cleanly."""
-    assert banners(REPO / "raw_ddp.py") == ["setup", "data", "model", "train", "evaluate", "teardown"]
+    """accel_train.py mirrors raw_ddp.py section by section, so that the two diff cleanly: the run's steps in
+    order (setup ... teardown), then the loop's helpers, the checkpoint functions and the launch plumbing."""
+    assert banners(REPO / "raw_ddp.py") == ["setup", "data", "model", "train", "evaluate", "teardown", "helpers",
+                                            "checkpoint", "launch"]
     assert banners(REPO / "accel_train.py") == banners(REPO / "raw_ddp.py")
+
+
+def function_lines(path: Path) -> dict[str, list[str]]:
+    """Each top-level function of a file: its source lines."""
+    import ast
+    source = path.read_text()
+    lines = source.splitlines()
+    return {node.name: lines[node.lineno - 1:node.end_lineno] for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def test_the_two_loops_differ_only_where_accelerate_replaces_a_step():
+    """The diff budget: accel_train.py's train_process is raw_ddp.py's but for the lines where Accelerate
+    replaces a hand-written step (# A1.n for # R1.n, which count as the same)."""
+    import difflib
+    same_tags = lambda lines: [re.sub(r"# [RA]1\.", "# X1.", line) for line in lines]
+    raw = same_tags(function_lines(REPO / "raw_ddp.py")["train_process"])
+    accel = same_tags(function_lines(REPO / "accel_train.py")["train_process"])
+    added = [line for line in difflib.ndiff(raw, accel) if line.startswith("+ ")]
+    assert len(added) <= 25, "\n".join(added)
+    assert difflib.SequenceMatcher(None, raw, accel).ratio() > 0.7
+
+
+@pytest.mark.parametrize("name", ["raw_ddp.py", "accel_train.py"])
+def test_entry_points_read_on_one_screen(name):
+    """The epoch loop's function is at most 80 lines, every other at most 60, the file at most 450."""
+    functions = function_lines(REPO / name)
+    assert len((REPO / name).read_text().splitlines()) <= 450
+    assert len(functions["train_process"]) <= 80
+    assert {f: len(lines) for f, lines in functions.items() if f != "train_process" and len(lines) > 60} == {}
 
 
 def test_every_required_step_has_an_accelerate_counterpart():

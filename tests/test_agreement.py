@@ -109,7 +109,7 @@ def record_evaluation_broadcasts(monkeypatch, entry_point, owner, name):
 
     monkeypatch.setattr(owner, name, broadcast)
     monkeypatch.setattr(entry_point, "build_ema", build)
-    monkeypatch.setattr(entry_point.signal, "signal", lambda *a: None)  # keep pytest's own signal handlers
+    monkeypatch.setattr(entry_point, "install_stop_handlers", lambda: None)  # keep pytest's own signal handlers
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # and its thread count
     return calls, emas
 
@@ -156,9 +156,6 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, 
         assert node.returncode == 2 and node.seconds < 120, node.stderr
         assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
         assert "Epoch = " not in node.stdout and "Traceback" not in node.stderr
-    both = two_nodes([flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume")] * 2)
-    assert [r.returncode for r in both] == [0, 0], both[0].stderr + both[1].stderr  # a shared folder: both resume
-    assert "Resuming from" in both[0].stdout and both[0].stdout.count("Epoch = ") == 1
 
 
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path):

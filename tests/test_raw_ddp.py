@@ -30,6 +30,40 @@ def test_all_required_steps_are_tagged():
     assert re.search(r"if __name__ == \"__main__\":(.|\n)*mp\.spawn\(", source)
 
 
+# The functions of raw_ddp.py that may talk to other processes, in reading order: a collective anywhere
+# else (or in cifar_wrn/, which knows nothing about processes) would drift out of the reader's view.
+COLLECTIVE_FUNCTIONS = ["join_process_group", "build_data", "build_model", "train_process", "validate", "resume",
+                        "save_checkpoint"]
+NOT_COLLECTIVES = ("DistError", "DistBackendError", "DistNetworkError", "ReduceOp", "get_backend")  # names, queries
+# In the order a process meets them (the AVG all-reduce of the metrics is in validate(), which the loop calls).
+REQUIRED_CALLS = ['f"cuda:{local_rank}"', "init_process_group(", "dist.barrier(", "DistributedSampler(", "DDP(",
+                  "set_epoch(", "dist.reduce(", "validate(", "destroy_process_group(", "mp.spawn("]
+
+
+def test_every_collective_is_in_a_named_function_and_the_steps_read_in_order():
+    import ast
+    source = (REPO / "raw_ddp.py").read_text()
+    tree = ast.parse(source)
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    where = {}
+    for function in functions:
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist":
+                where.setdefault(node.attr, set()).add(function.name)
+    outside = {call: names - set(COLLECTIVE_FUNCTIONS) for call, names in where.items()
+               if names - set(COLLECTIVE_FUNCTIONS) and call not in NOT_COLLECTIVES}
+    assert outside == {}, f"dist. calls outside the named functions: {outside}"
+    assert [f.name for f in functions if f.name in COLLECTIVE_FUNCTIONS] == COLLECTIVE_FUNCTIONS  # reading order
+    positions = [source.index(call) for call in REQUIRED_CALLS]
+    assert positions == sorted(positions), "the required calls no longer read in run order"
+    assert "dist.all_reduce(totals, op=dist.ReduceOp.AVG)" in "\n".join(
+        ast.get_source_segment(source, f) for f in functions if f.name == "validate")
+    for package_file in (REPO / "cifar_wrn").glob("*.py"):  # the shared package talks to no process
+        assert not re.search(r"\bdist\.\w+\(|init_process_group\(|all_reduce\(|barrier\(|DistributedDataParallel\(",
+                             package_file.read_text()), \
+            package_file.name
+
+
 @pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 2), (2, 1), (2, 4), (3, 2)])
 def test_rank_arithmetic(nodes, gpus):
     ranks = []
