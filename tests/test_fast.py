@@ -1,5 +1,6 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 import re
+import sys
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
 from conftest import (check_metrics_of_saved_weights, ONE_STEP, TINY, TRAIN_IMAGES, VAL_IMAGES, parameter_distance,
-                      raw_ddp as run_raw)
+                      raw_ddp as run_raw, run)
 
 
 def coordinate_images(n: int) -> torch.Tensor:
@@ -87,18 +88,27 @@ def test_fast_recipe_file():
 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression
-    and flip TTA; the reported metrics equal a single-process evaluation of the saved (EMA) weights."""
+    and flip TTA; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
+    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + TTA column."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
                "tta_flip=true"]
     result = run_raw("--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--epochs", 2,
                      "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
                      *[a for o in options for a in ("--set", o)], "--save", tmp_path / "w.pt",
-                     "--log-json", tmp_path / "log.jsonl")
+                     "--log-json", tmp_path / "log.jsonl", "--checkpoint-dir", tmp_path / "ckpt")
     assert result.returncode == 0, result.stderr
     assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
+    table = run([sys.executable, "bench/eval_variants.py", "--data-dir", cifar_dir, "--val-subset", VAL_IMAGES,
+                 tmp_path / "ckpt" / "checkpoint.pt"], timeout=60)
+    assert table.returncode == 0, table.stderr
+    cells = [c.strip() for c in table.stdout.splitlines()[-1].strip("|").split("|")]
+    assert cells[1] == "end of epoch 2" and cells[2] != cells[4]  # raw weights and EMA differ
+    (ema_tta_loss, ema_tta_acc), (logged_loss, logged_acc) = [map(float, c.split(" / ")) for c in cells[5:7]]
+    assert ema_tta_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)
+    assert ema_tta_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
 
 
 def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
