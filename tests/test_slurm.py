@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def test_scripts_are_there():
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
 def test_bash_syntax(path):
-    result = run_isolated(["bash", "-n", path], timeout=30)
+    result = run(["bash", "-n", path], timeout=30)
     assert result.returncode == 0, result.stderr
 
 
@@ -66,7 +67,7 @@ def test_shellcheck(path):
             pytest.fail("shellcheck is not installed, and CI=true: install it (apt-get install shellcheck)")
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
     # -x follows `source` (the `# shellcheck source=` paths are relative to the repository root)
-    result = run_isolated(["shellcheck", "-x", path.relative_to(REPO)], timeout=60)
+    result = run(["shellcheck", "-x", path.relative_to(REPO)], timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -148,7 +149,7 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
     cmd = 'source slurm/common.sh && stage_data && echo "DATA_DIR=$DATA_DIR"'
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and not k.startswith("SLURM")}
     env.update(DATA_SRC=str(tmp_path / "nothing"), TMPDIR=str(tmp_path / "scratch"))
-    result = run_isolated(["bash", "-c", cmd], timeout=30, env=env)
+    result = run(["bash", "-c", cmd], timeout=30, env=env)
     assert result.returncode == 0, result.stderr
     assert "prepare_cifar10.py" in result.stderr and "download" in result.stderr
     assert f"DATA_DIR={tmp_path / 'scratch' / 'cifar10'}" in result.stdout
@@ -189,19 +190,6 @@ def cluster():
     else:
         c.remove()
     assert not leftovers, f"processes of the test cluster's jobs outlived it (killed): {leftovers}"
-
-
-def run_isolated(cmd, timeout: float, cwd=REPO, env=None) -> subprocess.CompletedProcess:
-    """subprocess.run in a new session; a timeout kills the whole session and fails the test."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd} hung: killed after {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @dataclass
