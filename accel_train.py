@@ -54,7 +54,7 @@ from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar1
                             make_datasets, real_sample_mask, worker_options)
 from cifar_wrn.ema import build_ema, evaluated_network
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
-from cifar_wrn.model import WideResNet
+from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training, check_supported
@@ -65,7 +65,7 @@ from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run
 # optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
 SUPPORTED_RECIPE_KEYS = frozenset({
     "epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling", "reference_batch_size",
-    "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay", "label_smoothing", "precision",
+    "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum", "nesterov", "weight_decay", "label_smoothing", "precision",
     "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers", "eval_batch_size", "seed",
     "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph", "grad_compression", "sync_bn", "compile",
     "tta_flip"})
@@ -178,7 +178,7 @@ def build_model(args, recipe, accelerator, device):
     """(model, raw_model, eval_model): the prepared (DDP-wrapped) model that trains, the plain WideResNet
     inside it, and the one the epoch loop evaluates and --save writes (raw_model, or its moving average)."""
     set_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = WideResNet(width=args.model_width)
+    model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
     if recipe.sync_bn:  # batch statistics over the global batch, at the cost of a collective per BN layer
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format

@@ -48,7 +48,7 @@ from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, 
                             make_datasets, real_sample_mask, worker_options)
 from cifar_wrn.ema import build_ema, evaluated_network
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
-from cifar_wrn.model import WideResNet
+from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training
@@ -152,7 +152,7 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
     """(model, raw_model, eval_model): the DDP-wrapped model that trains, the plain WideResNet inside it,
     and the one the epoch loop evaluates and --save writes (raw_model, or its moving average)."""
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    raw_model = WideResNet(width=args.model_width)
+    raw_model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
     if recipe.sync_bn:  # batch statistics over the global batch, at the cost of a collective per BN layer
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format

@@ -21,7 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_wrn.data import CIFAR10, DeviceBatches, load_split  # noqa: E402
-from cifar_wrn.model import WideResNet  # noqa: E402
+from cifar_wrn.model import WideResNet, init_residual_bn  # noqa: E402
 from cifar_wrn.recipe import build_optimizer, load_recipe, parse_set  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main():
     torch.manual_seed(args.seed)
     images, labels = load_split(args.data_dir, train=True)
     fmt = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    model = WideResNet().to(device, memory_format=fmt).train()
+    model = init_residual_bn(WideResNet(), recipe.residual_bn_init).to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, args.max_lr)
     if recipe.data_pipeline == "device":
         data = DeviceBatches(images, labels, device, augment=recipe.augment, channels_last=recipe.channels_last)

@@ -60,5 +60,17 @@ class WideResNet(nn.Module):
         return self.head(self.features(self.stem(x)))
 
 
+@torch.no_grad()
+def init_residual_bn(model: nn.Module, weight: float) -> nn.Module:
+    """Set the weight (gamma) of each residual body's last BatchNorm to `weight`: an initialisation, not a
+    change of architecture. Below 1 each body starts by adding less to its shortcut, so the unnormalised
+    residual stream starts smaller. Not 0: the body ends BN -> ReLU, and ReLU(0) passes no gradient, so a
+    zero gamma (bias 0) would never train (docs/optimizations.md, 6b)."""
+    for block in model.modules():
+        if isinstance(block, ResidualBlock):
+            block.body[-1][1].weight.fill_(weight)
+    return model
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -36,6 +36,9 @@ class Recipe:
     reference_batch_size: int = 32    # the global batch size at which base_lr was tuned
     lr_schedule: str = "constant"     # constant | warmup_linear (linear warmup, then linear decay to 0)
     warmup_epochs: float = 0.0        # epochs of linear warmup (warmup_linear only)
+    anneal_epochs: float = 0.0        # warmup_linear: the decay reaches 0 after this many epochs, or at the end
+                                      # of `epochs` if that comes first (0 = at the end); then lr 0
+    residual_bn_init: float = 1.0     # initial gamma of each residual body's last BatchNorm (1 = PyTorch's)
     # --- optimizer and loss
     momentum: float = 0.0             # SGD momentum (0 = plain SGD)
     nesterov: bool = False            # Nesterov momentum (needs momentum > 0)
@@ -135,7 +138,7 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"base_lr must be a positive number (got {r.base_lr})")
     if not 0.0 <= r.target_accuracy <= 1.0:
         problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
-    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm"):
+    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "anneal_epochs"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
     # momentum 1 never forgets a gradient (the steps grow without bound); label_smoothing 1 leaves no label
@@ -146,6 +149,12 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
                         f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
                         f"and never decay; lower warmup_epochs or raise epochs")
+    if r.lr_schedule == "warmup_linear" and 0 < r.anneal_epochs <= r.warmup_epochs:
+        problems.append(f"anneal_epochs {r.anneal_epochs:g} must be longer than warmup_epochs {r.warmup_epochs:g}: "
+                        f"the decay starts where the warmup ends")
+    if not 0 < r.residual_bn_init <= 1:
+        problems.append(f"residual_bn_init must be in (0, 1] (got {r.residual_bn_init:g}; 0 never trains: the "
+                        f"body ends BN -> ReLU)")
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
@@ -185,8 +194,11 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.
 
 def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-step learning-rate multiplier: constant, or linear warmup then linear decay to zero at the
-    last step of the epoch budget (so the budget `epochs` is part of the recipe, not a guess)."""
-    total = recipe.epochs * steps_per_epoch
+    last step of the epoch budget (so the budget `epochs` is part of the recipe, not a guess), or earlier,
+    after `anneal_epochs`: the epochs after it train at lr 0, which makes the one before the last
+    (the first of the two the stopping rule needs) already an annealed model (docs/optimizations.md, 6c)."""
+    end = min(recipe.anneal_epochs, recipe.epochs) if recipe.anneal_epochs > 0 else recipe.epochs
+    total = round(end * steps_per_epoch)
     warmup = round(recipe.warmup_epochs * steps_per_epoch)
 
     def factor(step: int) -> float:

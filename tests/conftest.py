@@ -138,6 +138,18 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
 
 
+def check_residual_bn_init(weights_path, gamma: float):
+    """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
+    import re
+    import torch
+    state = torch.load(weights_path)
+    last = {k for k in state if re.fullmatch(r"features\.\d+\.body\.2\.1\.weight", k)}
+    others = {k for k in state if k.endswith(".weight") and state[k].ndim == 1} - last
+    assert len(last) == 6 and len(others) == 7  # the stem's BN and each body's first
+    assert all(torch.allclose(state[k], torch.full_like(state[k], gamma), atol=1e-6) for k in last)
+    assert all(torch.allclose(state[k], torch.ones_like(state[k]), atol=1e-6) for k in others)
+
+
 def parameter_distance(weights_a, weights_b, width: int = 4) -> float:
     """L2 distance between the trainable parameters (not the BatchNorm buffers) of two saved state_dicts."""
     import torch

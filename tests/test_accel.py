@@ -30,7 +30,7 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_profile, check_metrics_of_saved_weights, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
+from conftest import (check_profile, check_metrics_of_saved_weights, check_residual_bn_init, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
                       VAL_IMAGES, cpu_env, finish, free_port, parameter_distance, start, write_cifar)
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
@@ -323,6 +323,27 @@ def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
     one_step("start.pt", "--base-lr", 1e-12)
     one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
     assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
+
+
+def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
+    """As in tests/test_fast.py: with anneal_epochs=1 the second epoch trains at lr 0, so a 2-epoch run ends with
+    the parameters of a 1-epoch run."""
+    def run_epochs(name, epochs):
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
+                                   "--epochs", epochs, "--set", "lr_schedule=warmup_linear", "--set", "anneal_epochs=1",
+                                   "--save", tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+    run_epochs("one.pt", 1)
+    run_epochs("two.pt", 2)
+    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") == 0.0
+
+
+def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(cifar_dir, tmp_path):
+    """As in tests/test_fast.py, through accel_train.py."""
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
+                               "--base-lr", 1e-12, "--set", "residual_bn_init=0.2", "--save", tmp_path / "w.pt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_residual_bn_init(tmp_path / "w.pt", 0.2)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)

@@ -11,8 +11,8 @@ from cifar_wrn.data import CIFAR10, DeviceBatches, load_split, random_crop_flip
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_metrics_of_saved_weights, ONE_STEP, TINY, TRAIN_IMAGES, VAL_IMAGES, parameter_distance,
-                      raw_ddp as run_raw, run)
+from conftest import (check_metrics_of_saved_weights, check_residual_bn_init, ONE_STEP, TINY, TRAIN_IMAGES,
+                      VAL_IMAGES, parameter_distance, raw_ddp as run_raw, run)
 
 
 def coordinate_images(n: int) -> torch.Tensor:
@@ -120,6 +120,28 @@ def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
     one_step("start.pt", "--base-lr", 1e-12)
     one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
     assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
+
+
+def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
+    """anneal_epochs=1 with a 2-epoch budget: epoch 2 trains at lr 0, so the parameters end where a 1-epoch run
+    leaves them; without it the second epoch still moves them (so the comparison can fail)."""
+    def run_epochs(name, epochs, *flags):
+        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--epochs", epochs, "--data-dir", cifar_dir,
+                         "--set", "lr_schedule=warmup_linear", *flags, "--save", tmp_path / name)
+        assert result.returncode == 0, result.stderr
+    run_epochs("one.pt", 1, "--set", "anneal_epochs=1")
+    run_epochs("two_annealed.pt", 2, "--set", "anneal_epochs=1")
+    run_epochs("two.pt", 2)
+    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two_annealed.pt") == 0.0
+    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") > 0.0
+
+
+def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(cifar_dir, tmp_path):
+    """Through raw_ddp.py: one step at a learning rate of 1e-12 leaves the initialisation as it was made."""
+    result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--base-lr", 1e-12,
+                     "--set", "residual_bn_init=0.2", "--save", tmp_path / "w.pt")
+    assert result.returncode == 0, result.stderr
+    check_residual_bn_init(tmp_path / "w.pt", 0.2)
 
 
 def test_sync_bn_on_cpu_is_refused():

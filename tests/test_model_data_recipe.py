@@ -185,6 +185,55 @@ def test_linear_lr_scaling_and_schedule():
     assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
+def learning_rates(recipe: Recipe, steps: int, steps_per_epoch: int = 10) -> list:
+    opt = build_optimizer(WideResNet(width=4), recipe, lr=1.0)
+    sched = build_scheduler(opt, recipe, steps_per_epoch)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_anneal_epochs_ends_the_decay_early():
+    warm = dict(epochs=3, lr_schedule="warmup_linear", warmup_epochs=0.5)
+    lrs = learning_rates(Recipe(**warm, anneal_epochs=2.0), steps=30)
+    assert lrs[4] == pytest.approx(1.0) and lrs[19] == pytest.approx(1 / 15)  # 15 decay steps, not 25
+    assert lrs[20:] == [0.0] * 10 and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    # at or beyond the budget it changes nothing: the decay ends with the budget, as without it
+    assert learning_rates(Recipe(**warm, anneal_epochs=5.0), 30) == learning_rates(Recipe(**warm), 30)
+    assert learning_rates(Recipe(**warm, anneal_epochs=3.0), 30) == learning_rates(Recipe(**warm), 30)
+
+
+@pytest.mark.parametrize("anneal, message", [(0.5, "anneal_epochs 0.5 must be longer than warmup_epochs 0.5"),
+                                             (-1.0, "anneal_epochs must be >= 0")])
+def test_anneal_epochs_is_checked(anneal, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("fast", {"anneal_epochs": anneal})
+
+
+def test_residual_bn_init_is_an_initialisation_only():
+    from cifar_wrn.model import init_residual_bn
+    torch.manual_seed(0)
+    default = WideResNet(width=4)
+    torch.manual_seed(0)
+    scaled = init_residual_bn(WideResNet(width=4), 0.25)
+    changed = {k for k, v in default.state_dict().items() if not torch.equal(v, scaled.state_dict()[k])}
+    assert changed == {f"features.{i}.body.2.1.weight" for i in (0, 1, 3, 4, 6, 7)}
+    assert all((scaled.state_dict()[k] == 0.25).all() for k in changed)
+    assert count_parameters(scaled) == count_parameters(default)
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(init_residual_bn(WideResNet(width=4), 1.0).state_dict().values(),
+                                                  default.state_dict().values()))
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5])
+def test_residual_bn_init_is_checked(value):
+    with pytest.raises(RecipeError, match="residual_bn_init must be in"):
+        load_recipe("fast", {"residual_bn_init": value})
+
+
 class SignalsItself(torch.utils.data.Dataset):
     def __len__(self):
         return 4
