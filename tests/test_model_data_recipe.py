@@ -166,26 +166,8 @@ def test_recipe_file_unknown_key_and_missing(tmp_path):
         parse_set(["momentum"])
 
 
-def test_linear_lr_scaling_and_schedule():
-    recipe = Recipe()
-    assert scaled_lr(recipe, 64) == pytest.approx(0.02)
-    assert scaled_lr(Recipe(lr_scaling="none"), 64) == 0.01
-    model = WideResNet(width=4)
-    warm = Recipe(epochs=2, lr_schedule="warmup_linear", warmup_epochs=0.5, weight_decay=5e-4, momentum=0.9)
-    opt = build_optimizer(model, warm, lr=1.0)
-    assert [g["weight_decay"] for g in opt.param_groups] == [5e-4, 0.0]
-    assert all(p.ndim <= 1 for p in opt.param_groups[1]["params"])
-    sched = build_scheduler(opt, warm, steps_per_epoch=10)
-    lrs = []
-    for _ in range(20):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)   # 5 warmup steps
-    assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
-
-
 def learning_rates(recipe: Recipe, steps: int, steps_per_epoch: int = 10) -> list:
+    """The learning rate of each of the first `steps` optimizer steps (peak lr 1.0)."""
     opt = build_optimizer(WideResNet(width=4), recipe, lr=1.0)
     sched = build_scheduler(opt, recipe, steps_per_epoch)
     lrs = []
@@ -194,6 +176,19 @@ def learning_rates(recipe: Recipe, steps: int, steps_per_epoch: int = 10) -> lis
         opt.step()
         sched.step()
     return lrs
+
+
+def test_linear_lr_scaling_and_schedule():
+    recipe = Recipe()
+    assert scaled_lr(recipe, 64) == pytest.approx(0.02)
+    assert scaled_lr(Recipe(lr_scaling="none"), 64) == 0.01
+    warm = Recipe(epochs=2, lr_schedule="warmup_linear", warmup_epochs=0.5, weight_decay=5e-4, momentum=0.9)
+    opt = build_optimizer(WideResNet(width=4), warm, lr=1.0)
+    assert [g["weight_decay"] for g in opt.param_groups] == [5e-4, 0.0]
+    assert all(p.ndim <= 1 for p in opt.param_groups[1]["params"])
+    lrs = learning_rates(warm, steps=20)
+    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)   # 5 warmup steps
+    assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
 def test_anneal_epochs_ends_the_decay_early():
