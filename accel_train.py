@@ -66,9 +66,9 @@ from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run
 SUPPORTED_RECIPE_KEYS = frozenset({
     "epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling", "reference_batch_size",
     "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum", "nesterov", "weight_decay",
-    "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers", "eval_batch_size", "seed",
-    "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph", "grad_compression", "sync_bn", "compile",
-    "tta_flip"})
+    "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers",
+    "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph",
+    "grad_compression", "sync_bn", "compile", "tta_flip"})
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
