@@ -7,7 +7,8 @@ Runs raw_ddp.py (a subprocess, as a user would), reads its JSON log, and prints 
 run: recipe, processes, epochs run, whether the criterion (target accuracy `patience` epochs in a row)
 was met and at which epoch, Cumulative Time at that epoch, mean images/sec, final validation
 accuracy, and wall-clock time of the whole command (start-up and validation included).
-With --baseline-epochs N it also runs N epochs of the baseline recipe, for its per-epoch time.
+With --baseline-epochs N it also runs N epochs of the baseline recipe, for its per-epoch time;
+--keep-log PATH keeps the JSON log (the baseline's beside it, as PATH.baseline.jsonl).
 Needs a GPU for meaningful numbers (a CPU run of the real model takes hours).
 """
 import argparse
@@ -31,9 +32,9 @@ def criterion_epoch(epochs, target, patience):
     return None
 
 
-def run(recipe: str, args, extra) -> str:
+def run(recipe: str, args, extra, keep_log=None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "log.jsonl"
+        log = Path(keep_log) if keep_log else Path(tmp) / "log.jsonl"
         cmd = [sys.executable, str(REPO / "raw_ddp.py"), "--num-nodes", "1", "--node-id", "0",
                "--num-gpus", str(args.num_gpus), "--data-dir", args.data_dir, "--recipe", recipe,
                "--log-json", str(log), *extra]
@@ -58,10 +59,12 @@ def main():
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--recipe", default="fast")
     p.add_argument("--baseline-epochs", type=int, default=0)
+    p.add_argument("--keep-log", help="write the run's JSON log here instead of a temporary file")
     args, extra = p.parse_known_args()
-    rows = [run(args.recipe, args, extra)]
+    rows = [run(args.recipe, args, extra, args.keep_log)]
     if args.baseline_epochs:
-        rows.append(run("baseline", args, [*extra, "--epochs", str(args.baseline_epochs)]))
+        baseline_log = args.keep_log and str(Path(args.keep_log).with_suffix(".baseline.jsonl"))
+        rows.append(run("baseline", args, [*extra, "--epochs", str(args.baseline_epochs)], baseline_log))
     print("\n| recipe | processes | epochs run | criterion met | Cumulative Time to criterion (s) | "
           "mean epoch time (s) | mean images/sec | final val acc | wall clock (s) | commit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
