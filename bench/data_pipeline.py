@@ -62,6 +62,10 @@ def main():
         images = torch.randint(0, 256, (50_000, 3, 32, 32), dtype=torch.uint8)
         labels = torch.randint(0, 10, (50_000,))
         source = "random uint8 images (no data dir)"
+    per_epoch = len(labels) // args.batch_size
+    if args.batches + 1 > per_epoch:  # +1: the warm-up batch; each timing is one pass of a fresh iterator
+        p.error(f"--batches {args.batches} plus 1 warm-up batch is more than the {per_epoch} batches of "
+                f"{args.batch_size} images in one epoch of {len(labels)}: use --batches {per_epoch - 1} or fewer")
     workers = args.workers if device.type == "cuda" else 0
     baseline = DataLoader(CIFAR10(images, labels, augment=True), batch_size=args.batch_size, shuffle=True,
                           drop_last=True, num_workers=workers, pin_memory=device.type == "cuda",

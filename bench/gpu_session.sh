@@ -50,7 +50,7 @@ step fast_augment 90 "${FAST[@]}" --keep-log "$OUT/fast_augment.jsonl" --set aug
 step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
 step baseline_2_epochs 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe baseline \
     --epochs 2 --keep-log "$OUT/baseline.jsonl"
-step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 200
+step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
 # Does the EMA update synchronise with the host? (AveragedModel's n_averaged counter lives on the GPU
 # and torch tests it every step; a warning here means one host sync per training step.)
 step ema_sync_check 30 python3 -c "

@@ -23,7 +23,11 @@ def warmed_up_decay(decay: float, num_updates):
 
 
 def ema_update_with_warmup(decay: float):
-    """A multi_avg_fn for AveragedModel: EMA with the warm-up above; no host synchronisation."""
+    """A multi_avg_fn for AveragedModel: EMA with the warm-up above.
+
+    Not free of host synchronisation on CUDA (measured on an H200): the lerp with a tensor weight
+    syncs once per update, and AveragedModel.update_parameters tests its counter twice more
+    (docs/optimizations.md, 7-12)."""
     @torch.no_grad()
     def update(ema_tensors, model_tensors, num_updates):
         if torch.is_floating_point(ema_tensors[0]):
