@@ -50,11 +50,12 @@ def main():
     model = init_residual_bn(WideResNet(), recipe.residual_bn_init).to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, args.max_lr)
     if recipe.data_pipeline == "device":
-        data = DeviceBatches(images, labels, device, augment=recipe.augment, channels_last=recipe.channels_last)
+        data = DeviceBatches(images, labels, device, augment=recipe.augment, channels_last=recipe.channels_last,
+                             crop_padding=recipe.crop_padding)
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
-        loader = DataLoader(CIFAR10(images, labels, augment=recipe.augment), batch_size=batch_size,
-                            shuffle=True, drop_last=True)
+        loader = DataLoader(CIFAR10(images, labels, augment=recipe.augment, crop_padding=recipe.crop_padding),
+                            batch_size=batch_size, shuffle=True, drop_last=True)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
 

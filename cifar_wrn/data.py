@@ -183,9 +183,10 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
     per rank: seed + rank); `dataloader` transforms one image at a time on the CPU (CIFAR10)."""
     if recipe.data_pipeline == "device":
         return (DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
-                              channels_last=recipe.channels_last),
+                              channels_last=recipe.channels_last, crop_padding=recipe.crop_padding),
                 DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last))
-    return CIFAR10(*train_data, augment=recipe.augment), CIFAR10(*val_data, augment=False)
+    return (CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
+            CIFAR10(*val_data, augment=False))
 
 
 def worker_options(recipe, device) -> dict:
@@ -216,11 +217,12 @@ class Loaders:
 
 class CIFAR10(Dataset):
     """uint8 images in memory -> normalised float images; training adds the standard augmentation
-    (random crop with 4-pixel zero padding, horizontal flip), one image at a time on the CPU."""
+    (random crop with `crop_padding` pixels of zero padding, horizontal flip), one image at a time on the CPU."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, crop_padding: int = 4):
         self.images, self.labels = images, labels
-        steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if augment else []
+        crop = [v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []
+        steps = crop + [v2.RandomHorizontalFlip()] if augment else []
         self.transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
 
     def __len__(self) -> int:
@@ -325,10 +327,10 @@ class DeviceBatches(Dataset):
     from the DistributedSampler and set_epoch still reshuffles; the DataLoader only iterates."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, device, augment: bool, seed: int = 0,
-                 channels_last: bool = False):
+                 channels_last: bool = False, crop_padding: int = 4):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
-        self.augment, self.channels_last = augment, channels_last
+        self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
         self.generator = torch.Generator(device=self.device)
@@ -341,7 +343,7 @@ class DeviceBatches(Dataset):
         index = torch.as_tensor(indices, device=self.device)
         images = self.images[index]
         if self.augment:
-            images = random_crop_flip(images, self.generator)
+            images = random_crop_flip(images, self.generator, self.crop_padding)
         images = (images.float() - self.mean) / self.std
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

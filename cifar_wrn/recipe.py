@@ -52,6 +52,7 @@ class Recipe:
     data_pipeline: str = "dataloader" # dataloader: per-image transforms in DataLoader workers;
                                       # device: whole uint8 dataset on the device, batched augmentation
     augment: bool = True              # random crop (4-pixel padding) + horizontal flip for training
+    crop_padding: int = 4             # pixels of zero padding around the random crop (augment only; 0 = flips only)
     num_workers: int = 4              # DataLoader worker processes per GPU process (CPU runs use 0)
     eval_batch_size: int = 500        # images per process per validation step
     seed: int = 0                     # model init, sampler shuffling; augmentation uses seed + rank
@@ -159,6 +160,8 @@ def check_recipe(r: Recipe) -> None:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
         problems.append(f"ema_decay must be in [0, 1) (got {r.ema_decay})")
+    if not 0 <= r.crop_padding <= 16:
+        problems.append(f"crop_padding must be in 0..16 pixels (got {r.crop_padding}; 0 = flips only)")
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
     for key, allowed in CHOICES.items():

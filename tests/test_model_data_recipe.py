@@ -223,6 +223,34 @@ def test_residual_bn_init_is_an_initialisation_only():
                                                   default.state_dict().values()))
 
 
+def test_crop_padding_zero_augments_with_flips_only():
+    """crop_padding 0 (flips only) in both pipelines: every training image is the original or its mirror
+    image, both occur, and the default (4) still crops."""
+    from cifar_wrn.data import DeviceBatches, make_datasets
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.arange(64) % 10
+    plain = torch.stack([CIFAR10(images, labels, augment=False)[i][0] for i in range(64)])
+    for pipeline in ("device", "dataloader"):
+        recipe = load_recipe("fast", {"data_pipeline": pipeline, "augment": True, "crop_padding": 0,
+                                      "channels_last": False})
+        train, _ = make_datasets((images, labels), (images, labels), recipe, torch.device("cpu"), rank=0)
+        x = train[list(range(64))][0] if pipeline == "device" else torch.stack([train[i][0] for i in range(64)])
+        same = torch.isclose(x, plain, atol=1e-5).flatten(1).all(1)
+        mirrored = torch.isclose(x, plain.flip(3), atol=1e-5).flatten(1).all(1)
+        assert bool((same | mirrored).all()), pipeline
+        assert 10 < int(mirrored.sum()) < 54 and 10 < int(same.sum()) < 54, pipeline
+    cropped = DeviceBatches(images, labels, "cpu", augment=True)[list(range(64))][0]
+    unshifted = torch.isclose(cropped, plain, atol=1e-5) | torch.isclose(cropped, plain.flip(3), atol=1e-5)
+    assert not unshifted.flatten(1).all(1).all()
+
+
+@pytest.mark.parametrize("value", [-1, 17])
+def test_crop_padding_is_checked(value):
+    with pytest.raises(RecipeError, match="crop_padding must be in 0..16"):
+        load_recipe("fast", {"crop_padding": value})
+
+
 @pytest.mark.parametrize("value", [0.0, 1.5])
 def test_residual_bn_init_is_checked(value):
     with pytest.raises(RecipeError, match="residual_bn_init must be in"):
