@@ -8,10 +8,11 @@
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data), with that commit
 #
-# Order = priority: the fast recipe to the criterion at the 2-GPU global batch (256 images per step)
-# with its seed changed twice (is the margin a lucky seed?) and with augmentation back on (run 4's
-# recipe, to compare with the CPU runs), the per-step ablation, 2 baseline epochs, the data pipeline,
-# the EMA host-sync check, then torch.compile. Each run's JSON log is kept in $OUT.
+# Order = priority: the fast recipe to the criterion at the 2-GPU global batch (256 images per step),
+# then the levers of docs/optimizations.md 6c not yet measured on the full data (LEVERS below: each a
+# whole 4-epoch run of about 30-50 s), the data pipeline, and last the checks the first H200 session
+# (2026-11-30) already made: the per-step ablation, 2 baseline epochs, the EMA host-sync check,
+# torch.compile. Each run's JSON log goes into $OUT/logs.tar.gz (the device returns 8 files at most).
 # DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -43,21 +44,34 @@ fi
 
 # One GPU with batch_size 256 sees the images of one step of 2 GPUs x 128 (fast.yaml); BatchNorm then
 # sees 256 images, not 128 per GPU, the one difference.
+mkdir -p "$OUT/logs"
 FAST=(python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=256)
-step fast_to_target 120 "${FAST[@]}" --keep-log "$OUT/fast.jsonl"
-step fast_seed1 90 "${FAST[@]}" --keep-log "$OUT/fast_seed1.jsonl" --set seed=1
-step fast_augment 90 "${FAST[@]}" --keep-log "$OUT/fast_augment.jsonl" --set augment=true
+step fast_to_target 120 "${FAST[@]}" --keep-log "$OUT/logs/fast.jsonl"
+# Each entry: the --set overrides of one run (space-separated KEY=VALUE), against fast.yaml.
+LEVERS=("augment=true crop_padding=0"        # flips only
+        "augment=true crop_padding=2"        # a lighter crop
+        "base_lr=0.4"                        # twice the peak rate, without augmentation
+        "batch_size=128 ema_decay=0.995"     # 64 per GPU on 2 GPUs (run 5's recipe, without augmentation)
+        "weight_decay=0.0002"
+        "weight_decay=0.001"
+        "warmup_epochs=0.25"
+        "label_smoothing=0.2 seed=1")
+for setting in "${LEVERS[@]}"; do
+    sets=()
+    for kv in $setting; do sets+=(--set "$kv"); done
+    name=${setting// /_}
+    step "fast_$name" 75 "${FAST[@]}" "${sets[@]}" --keep-log "$OUT/logs/fast_${name//=/-}.jsonl"
+done
+step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
 step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
 step baseline_2_epochs 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe baseline \
-    --epochs 2 --keep-log "$OUT/baseline.jsonl"
-step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
-# Does the EMA update synchronise with the host? (AveragedModel's n_averaged counter lives on the GPU
-# and torch tests it every step; a warning here means one host sync per training step.)
+    --epochs 2 --keep-log "$OUT/logs/baseline.jsonl"
+# Does the EMA update synchronise with the host? (2026-11-30: yes, three times per update; docs/optimizations.md 7-12)
 step ema_sync_check 30 python3 -c "
 import torch; from cifar_wrn.model import WideResNet; from cifar_wrn.ema import build_ema
 m = WideResNet().cuda(); e = build_ema(m, 0.99); e.update_parameters(m); torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode('warn'); [e.update_parameters(m) for _ in range(3)]; torch.cuda.synchronize()
 print('EMA updates done; any host-sync warning above comes from them')"
-step fast_seed2 90 "${FAST[@]}" --keep-log "$OUT/fast_seed2.jsonl" --set seed=2
-step fast_compile 120 "${FAST[@]}" --keep-log "$OUT/fast_compile.jsonl" --set compile=true
+step fast_compile 120 "${FAST[@]}" --keep-log "$OUT/logs/fast_compile.jsonl" --set compile=true
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -r "$OUT/logs"
 echo "=== done at t=${SECONDS}s"
