@@ -68,7 +68,7 @@ SUPPORTED_RECIPE_KEYS = frozenset({
     "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum", "nesterov", "weight_decay",
     "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers",
     "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph",
-    "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding"})
+    "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale"})
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1

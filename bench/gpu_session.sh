@@ -54,6 +54,7 @@ LEVERS=("augment=true crop_padding=0"        # flips only
         "batch_size=128 ema_decay=0.995"     # 64 per GPU on 2 GPUs (run 5's recipe, without augmentation)
         "weight_decay=0.0002"
         "weight_decay=0.001"
+        "bn_lr_scale=4"                      # BatchNorm weights and biases at 4x the rate
         "warmup_epochs=0.25"
         "label_smoothing=0.2 seed=1")
 for setting in "${LEVERS[@]}"; do

@@ -45,6 +45,8 @@ class Recipe:
     weight_decay: float = 0.0         # L2 penalty on conv/linear weights (never on BatchNorm or biases)
     label_smoothing: float = 0.0      # CrossEntropyLoss label smoothing
     grad_clip_norm: float = 0.0       # clip the averaged gradient's global L2 norm to this (0 = off)
+    bn_lr_scale: float = 1.0          # learning-rate multiplier for BatchNorm weights and all biases
+                                      # (the parameters without weight decay); 1 = the same rate as the rest
     # --- numerics and data
     precision: str = "fp32"           # fp32 | bf16 (autocast; weights and optimizer stay fp32)
     channels_last: bool = False       # NHWC memory layout for the model and its inputs
@@ -160,6 +162,8 @@ def check_recipe(r: Recipe) -> None:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
         problems.append(f"ema_decay must be in [0, 1) (got {r.ema_decay})")
+    if not r.bn_lr_scale > 0 or not math.isfinite(r.bn_lr_scale):
+        problems.append(f"bn_lr_scale must be a positive number (got {r.bn_lr_scale})")
     if not 0 <= r.crop_padding <= 16:
         problems.append(f"crop_padding must be in 0..16 pixels (got {r.crop_padding}; 0 = flips only)")
     if r.num_workers < 0:
@@ -187,11 +191,12 @@ def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.SGD:
     """SGD; weight decay only on conv/linear weights (decaying BatchNorm scales and biases only
-    fights the normalisation and does not regularise)."""
+    fights the normalisation and does not regularise); those scales and biases learn at `lr` times
+    bn_lr_scale (the schedule multiplies each group's own rate)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": recipe.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+              {"params": no_decay, "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale}]
     return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
 
 

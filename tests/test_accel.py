@@ -298,10 +298,10 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch):
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
     bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
-    graph, bf16 gradient compression, flip TTA and 2-pixel crop padding; the reported metrics equal a
-    single-process evaluation of the saved (EMA) weights."""
+    graph, bf16 gradient compression, flip TTA, 2-pixel crop padding and bn_lr_scale; the reported metrics
+    equal a single-process evaluation of the saved (EMA) weights."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "augment=true", "crop_padding=2"]
+               "tta_flip=true", "augment=true", "crop_padding=2", "bn_lr_scale=2"]
     result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--recipe", "fast",
                                "--batch-size", 32, "--epochs", 2, *[a for o in options for a in ("--set", o)],
                                "--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl")

@@ -88,10 +88,10 @@ def test_fast_recipe_file():
 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
-    flip TTA and augmentation with 2-pixel crop padding; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
+    flip TTA, augmentation with 2-pixel crop padding and a doubled rate for BatchNorm parameters; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
     bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + TTA column."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "augment=true", "crop_padding=2"]
+               "tta_flip=true", "augment=true", "crop_padding=2", "bn_lr_scale=2"]
     result = run_raw("--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--epochs", 2,
                      "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
                      *[a for o in options for a in ("--set", o)], "--save", tmp_path / "w.pt",

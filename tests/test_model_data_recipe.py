@@ -245,6 +245,28 @@ def test_crop_padding_zero_augments_with_flips_only():
     assert not unshifted.flatten(1).all(1).all()
 
 
+def test_bn_lr_scale_multiplies_the_no_decay_groups_rate_through_the_schedule():
+    recipe = load_recipe("fast", {"bn_lr_scale": 4.0})
+    model = WideResNet(width=4)
+    optimizer = build_optimizer(model, recipe, 0.1)
+    decay, no_decay = optimizer.param_groups
+    assert all(p.ndim > 1 for p in decay["params"]) and all(p.ndim <= 1 for p in no_decay["params"])
+    assert (decay["lr"], no_decay["lr"]) == (0.1, pytest.approx(0.4))
+    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch=10)
+    for _ in range(7):
+        optimizer.step()
+        scheduler.step()
+    assert no_decay["lr"] == pytest.approx(4 * decay["lr"]) and 0 < decay["lr"] < 0.1
+    default = build_optimizer(model, load_recipe("fast"), 0.1)
+    assert [g["lr"] for g in default.param_groups] == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf")])
+def test_bn_lr_scale_is_checked(value):
+    with pytest.raises(RecipeError, match="bn_lr_scale must be a positive number"):
+        load_recipe("fast", {"bn_lr_scale": value})
+
+
 @pytest.mark.parametrize("value", [-1, 17])
 def test_crop_padding_is_checked(value):
     with pytest.raises(RecipeError, match="crop_padding must be in 0..16"):
