@@ -12,7 +12,7 @@
 # then the levers of docs/optimizations.md 6c not yet measured on the full data (LEVERS below: each a
 # whole 4-epoch run of about 30-50 s), the data pipeline, and last the checks the first H200 session
 # (2026-11-30) already made: the per-step ablation, 2 baseline epochs, the EMA host-sync check,
-# torch.compile. Each run's JSON log goes into $OUT/logs.tar.gz (the device returns 8 files at most).
+# torch.compile. The runs' JSON logs go into $OUT/logs.tar.gz, refreshed after every step.
 # DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -20,6 +20,7 @@ OUT=${OUT:-runs/gpu_session}
 DATA=${DATA:-data}
 DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)   # the JSON logs, outside $OUT: the device returns 8 files at most
 exec > >(tee "$OUT/session.log") 2>&1
 export PYTHONUNBUFFERED=1
 
@@ -32,6 +33,7 @@ step() {
     echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
     timeout --kill-after=10 "$limit" "$@"
     echo "=== $name: exit $? after $((SECONDS))s in all"
+    tar czf "$OUT/logs.tar.gz" -C "$LOGS" .   # after every step: whatever happens next, the logs come back
 }
 
 echo "commit: ${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}   date: $(date -u +%F)"
@@ -44,9 +46,8 @@ fi
 
 # One GPU with batch_size 256 sees the images of one step of 2 GPUs x 128 (fast.yaml); BatchNorm then
 # sees 256 images, not 128 per GPU, the one difference.
-mkdir -p "$OUT/logs"
 FAST=(python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=256)
-step fast_to_target 120 "${FAST[@]}" --keep-log "$OUT/logs/fast.jsonl"
+step fast_to_target 120 "${FAST[@]}" --keep-log "$LOGS/fast.jsonl"
 # Each entry: the --set overrides of one run (space-separated KEY=VALUE), against fast.yaml.
 LEVERS=("augment=true crop_padding=0"        # flips only
         "augment=true crop_padding=2"        # a lighter crop
@@ -61,18 +62,17 @@ for setting in "${LEVERS[@]}"; do
     sets=()
     for kv in $setting; do sets+=(--set "$kv"); done
     name=${setting// /_}
-    step "fast_$name" 75 "${FAST[@]}" "${sets[@]}" --keep-log "$OUT/logs/fast_${name//=/-}.jsonl"
+    step "fast_$name" 75 "${FAST[@]}" "${sets[@]}" --keep-log "$LOGS/fast_${name//=/-}.jsonl"
 done
 step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
 step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
 step baseline_2_epochs 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe baseline \
-    --epochs 2 --keep-log "$OUT/logs/baseline.jsonl"
+    --epochs 2 --keep-log "$LOGS/baseline.jsonl"
 # Does the EMA update synchronise with the host? (2026-11-30: yes, three times per update; docs/optimizations.md 7-12)
 step ema_sync_check 30 python3 -c "
 import torch; from cifar_wrn.model import WideResNet; from cifar_wrn.ema import build_ema
 m = WideResNet().cuda(); e = build_ema(m, 0.99); e.update_parameters(m); torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode('warn'); [e.update_parameters(m) for _ in range(3)]; torch.cuda.synchronize()
 print('EMA updates done; any host-sync warning above comes from them')"
-step fast_compile 120 "${FAST[@]}" --keep-log "$OUT/logs/fast_compile.jsonl" --set compile=true
-tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -r "$OUT/logs"
+step fast_compile 120 "${FAST[@]}" --keep-log "$LOGS/fast_compile.jsonl" --set compile=true
 echo "=== done at t=${SECONDS}s"

@@ -63,11 +63,12 @@ def main():
           f"{args.steps} steps, clip {args.clip_norm}, {recipe.precision}, device {device}")
     print("| step | lr | loss | grad norm | max abs logit | s/step |\n|---|---|---|---|---|---|")
     batches = iter(loader)
+    ratios = [group["lr"] / args.max_lr for group in optimizer.param_groups]  # bn_lr_scale, if any
     for step in range(args.stop_after or args.steps):
         t0 = time.perf_counter()
         lr = args.max_lr * (step + 1) / args.steps
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for group, ratio in zip(optimizer.param_groups, ratios):
+            group["lr"] = lr * ratio
         x, y = next(batches)
         x, y = x.to(device, memory_format=fmt), y.to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, agreed_problem
+from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
 # Recipe keys that may change between a run and its resume: they do not change what was trained so
@@ -301,7 +302,9 @@ def resume_problem(checkpoint: dict, recipe: dict, world_size: int, model_width:
             flag = {"train_images": "--train-subset", "val_images": "--val-subset"}.get(key, "--batch-size")
             return (f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
                     f"resume with the same data ({flag}) and batch size")
-    old = checkpoint["recipe"]
+    # A key newer than the checkpoint had its default when the checkpoint was written.
+    defaults = as_dict(Recipe())
+    old = {**{k: defaults[k] for k in recipe if k in defaults}, **checkpoint["recipe"]}
     allowed = RESUMABLE_CHANGES - ({"epochs"} if old["lr_schedule"] != "constant" else set())
     changed = sorted(k for k in old if k not in allowed and old[k] != recipe.get(k))
     if changed:

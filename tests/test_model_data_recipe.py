@@ -245,6 +245,21 @@ def test_crop_padding_zero_augments_with_flips_only():
     assert not unshifted.flatten(1).all(1).all()
 
 
+@pytest.mark.parametrize("pad", [2, 4])
+def test_crop_padding_bounds_the_shift(pad):
+    """White images: the zero padding (negative once normalised) reaches exactly `pad` pixels in."""
+    from cifar_wrn.data import DeviceBatches
+    white = torch.full((256, 3, 32, 32), 255, dtype=torch.uint8)
+    labels = torch.zeros(256, dtype=torch.long)
+    device_batch = DeviceBatches(white, labels, "cpu", augment=True, crop_padding=pad)[list(range(256))][0]
+    torch.manual_seed(0)
+    per_image = torch.stack([CIFAR10(white, labels, augment=True, crop_padding=pad)[i][0] for i in range(256)])
+    for x in (device_batch, per_image):
+        padding = x[:, 0] < 0
+        assert not padding[:, pad:32 - pad, pad:32 - pad].any()
+        assert padding[:, pad - 1].any() and padding[:, :, 32 - pad].any()
+
+
 def test_bn_lr_scale_multiplies_the_no_decay_groups_rate_through_the_schedule():
     recipe = load_recipe("fast", {"bn_lr_scale": 4.0})
     model = WideResNet(width=4)
