@@ -53,7 +53,7 @@ class Recipe:
     cudnn_benchmark: bool = False     # let cuDNN time its convolution algorithms once per shape (CUDA)
     data_pipeline: str = "dataloader" # dataloader: per-image transforms in DataLoader workers;
                                       # device: whole uint8 dataset on the device, batched augmentation
-    augment: bool = True              # random crop (4-pixel padding) + horizontal flip for training
+    augment: bool = True              # random crop (crop_padding below) + horizontal flip for training
     crop_padding: int = 4             # pixels of zero padding around the random crop (augment only; 0 = flips only)
     num_workers: int = 4              # DataLoader worker processes per GPU process (CPU runs use 0)
     eval_batch_size: int = 500        # images per process per validation step
