@@ -307,9 +307,12 @@ def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=No
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
     """Random crop with `pad` pixels of zero padding and a random horizontal flip, for a whole
     uint8 batch [B, C, H, W] at once: one pad, two gathers (rows, then columns), one select.
-    No per-image Python; the same code runs on CPU and GPU tensors."""
+    No per-image Python; the same code runs on CPU and GPU tensors. pad 0: flips only (no crop work)."""
     n, c, h, w = images.shape
     device = images.device
+    if pad == 0:
+        flip = torch.rand(n, device=device, generator=generator) < 0.5
+        return torch.where(flip[:, None, None, None], images.flip(3), images)
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
     dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
     dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
