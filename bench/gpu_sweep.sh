@@ -57,7 +57,8 @@ while IFS= read -r line; do
     n=$((n + 1))
     sleep 3   # staggered starts: each run picks a free port for its process group
 done < "$LEVERS_FILE"
-wait
+# not a bare `wait`: that would also wait for the tee of the exec above, which never ends
+while (($(jobs -rp | wc -l) > 0)); do wait -n; done
 tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
 echo "=== done at t=${SECONDS}s; validation accuracy per epoch (EMA, flip TTA as each recipe says):"
 python3 - "$LOGS" <<'EOF'
