@@ -276,7 +276,7 @@ def test_bn_lr_scale_multiplies_the_no_decay_groups_rate_through_the_schedule():
         optimizer.step()
         scheduler.step()
     assert no_decay["lr"] == pytest.approx(4 * decay["lr"]) and 0 < decay["lr"] < 0.1
-    default = build_optimizer(model, load_recipe("fast"), 0.1)
+    default = build_optimizer(model, load_recipe("baseline"), 0.1)
     assert [g["lr"] for g in default.param_groups] == [0.1, 0.1]
 
 
