@@ -9,10 +9,12 @@
 #   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data), with that commit
 #
 # Order = priority: the fast recipe to the criterion at the 2-GPU global batch (256 images per step),
-# then the levers of docs/optimizations.md 6c not yet measured on the full data (LEVERS below: each a
-# whole 4-epoch run of about 30-50 s), the data pipeline, and last the checks the first H200 session
-# (2026-11-30) already made: the per-step ablation, 2 baseline epochs, the EMA host-sync check,
-# torch.compile. The runs' JSON logs go into $OUT/logs.tar.gz, refreshed after every step.
+# alone on the GPU, so its epoch times are a measurement; then more seeds of it and the variants that
+# tied with it in the 2026-12-01 sweep (bench/levers-next.txt, four at a time through bench/gpu_sweep.sh:
+# accuracy only, their $OUT/sweep/ has its own session.log and logs.tar.gz), the data pipeline, and
+# last the checks the first H200 session (2026-11-30) already made: the per-step ablation, 2 baseline
+# epochs, the EMA host-sync check, torch.compile. The JSON logs of the runs made here go into
+# $OUT/logs.tar.gz, refreshed after every step.
 # DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -48,22 +50,8 @@ fi
 # sees 256 images, not 128 per GPU, the one difference.
 FAST=(python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=256)
 step fast_to_target 120 "${FAST[@]}" --keep-log "$LOGS/fast.jsonl"
-# Each entry: the --set overrides of one run (space-separated KEY=VALUE), against fast.yaml.
-LEVERS=("augment=true crop_padding=0"        # flips only
-        "augment=true crop_padding=2"        # a lighter crop
-        "base_lr=0.4"                        # twice the peak rate, without augmentation
-        "batch_size=128 ema_decay=0.995"     # 64 per GPU on 2 GPUs (run 5's recipe, without augmentation)
-        "weight_decay=0.0002"
-        "weight_decay=0.001"
-        "bn_lr_scale=4"                      # BatchNorm weights and biases at 4x the rate
-        "warmup_epochs=0.25"
-        "label_smoothing=0.2 seed=1")
-for setting in "${LEVERS[@]}"; do
-    sets=()
-    for kv in $setting; do sets+=(--set "$kv"); done
-    name=${setting// /_}
-    step "fast_$name" 75 "${FAST[@]}" "${sets[@]}" --keep-log "$LOGS/fast_${name//=/-}.jsonl"
-done
+step lever_sweep 260 env OUT="$OUT/sweep" DATA="$DATA" DEADLINE=250 bash bench/gpu_sweep.sh "${1:-unknown}" \
+    bench/levers-next.txt
 step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
 step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
 step baseline_2_epochs 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe baseline \
