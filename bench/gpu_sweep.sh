@@ -35,25 +35,34 @@ fi
 cores=$(nproc)
 slice=$((cores / PARALLEL))
 ((slice < 1)) && slice=1
+slots=()   # slots[i]: the run on cores i*slice .. (i+1)*slice-1
+free_slot() {
+    local i
+    for ((i = 0; i < PARALLEL; i++)); do
+        if [ -z "${slots[i]:-}" ] || ! kill -0 "${slots[i]}" 2>/dev/null; then echo "$i"; return; fi
+    done
+    echo -1
+}
 n=0
 while IFS= read -r line; do
     setting=${line%%#*}
     setting=$(echo $setting)   # trims the blanks
     [ -z "$setting" ] && continue
-    while (($(jobs -rp | wc -l) >= PARALLEL)); do wait -n; done
+    while slot=$(free_slot); ((slot < 0)); do wait -n; done
     left=$((DEADLINE - SECONDS))
     if ((left < 90)); then echo "=== not started (${left}s left): $setting"; continue; fi
     sets=()
     [ "$setting" != "-" ] && for kv in $setting; do sets+=(--set "$kv"); done
     name=$(printf '%02d_%s' "$n" "${setting// /_}")
     name=${name//=/-}
-    first=$(((n % PARALLEL) * slice))
+    first=$((slot * slice))
     echo "=== start $name at t=${SECONDS}s on cores $first-$((first + slice - 1))"
     (timeout --kill-after=10 "$left" taskset -c "$first-$((first + slice - 1))" \
         python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=256 \
         "${sets[@]}" --keep-log "$LOGS/$name.jsonl" > "$LOGS/$name.out" 2>&1
      echo "=== end $name: exit $? at t=${SECONDS}s"
      tar czf "$OUT/logs.tar.gz" -C "$LOGS" .) &
+    slots[slot]=$!
     n=$((n + 1))
     sleep 3   # staggered starts: each run picks a free port for its process group
 done < "$LEVERS_FILE"
