@@ -45,14 +45,14 @@ free_slot() {
 }
 n=0
 while IFS= read -r line; do
-    setting=${line%%#*}
-    setting=$(echo $setting)   # trims the blanks
-    [ -z "$setting" ] && continue
+    read -ra words <<< "${line%%#*}"   # the line's KEY=VALUE words: comment and blanks dropped
+    ((${#words[@]} == 0)) && continue
+    setting="${words[*]}"
     while slot=$(free_slot); ((slot < 0)); do wait -n; done
     left=$((DEADLINE - SECONDS))
     if ((left < 90)); then echo "=== not started (${left}s left): $setting"; continue; fi
     sets=()
-    [ "$setting" != "-" ] && for kv in $setting; do sets+=(--set "$kv"); done
+    [ "$setting" != "-" ] && for kv in "${words[@]}"; do sets+=(--set "$kv"); done
     name=$(printf '%02d_%s' "$n" "${setting// /_}")
     name=${name//=/-}
     first=$((slot * slice))
