@@ -51,8 +51,8 @@ from cifar_wrn.checkpoint import (LATEST, latest_checkpoint, load_accelerator_st
 from cifar_wrn.cli import (accelerate_launch_problem, add_training_flags, check_training_flags, launcher_name,
                            launcher_world_size, local_world_size, recipe_from_args, show_progress)
 from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            make_datasets, real_sample_mask, worker_options)
-from cifar_wrn.ema import build_ema, evaluated_network
+                            make_datasets, real_sample_mask, recalibration_batches, worker_options)
+from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
@@ -68,7 +68,8 @@ SUPPORTED_RECIPE_KEYS = frozenset({
     "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum", "nesterov", "weight_decay",
     "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers",
     "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph",
-    "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale"})
+    "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale", "tta_translate",
+    "bn_recalibration"})
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
@@ -170,6 +171,9 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     if data.steps_per_epoch == 0:
         raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
+    # bn_recalibration: a fixed set of unaugmented training images, dealt out to the ranks (usually none)
+    data.recalibration = recalibration_batches(train_set, recipe.bn_recalibration, rank, world_size, recipe.seed,
+                                               recipe.batch_size, device, recipe.channels_last)
     return data
 
 
@@ -248,6 +252,9 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
+            if data.recalibration:  # the evaluated weights' own BatchNorm statistics: part of training, so timed
+                recalibrate_bn(evaluated_network(eval_model), data.recalibration, autocast,
+                               lambda stat: stat.copy_(accelerator.reduce(stat, reduction="mean")))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
@@ -292,7 +299,7 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     # summed sums and counts keep their ratio exact; the prepared loader's batches are gathered per batch
     # (gather_for_metrics collects every rank's per-image results and drops the padding repeats).
     totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device, autocast_dtype,
-                      recipe.tta_flip,
+                      recipe.tta_flip, tta_translate=recipe.tta_translate,
                       gather=None if data.val_mask is not None else accelerator.gather_for_metrics)  # A1.9
     if data.val_mask is not None:
         totals = accelerator.reduce(totals, reduction="sum")  # A1.9

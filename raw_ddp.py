@@ -45,8 +45,8 @@ from cifar_wrn.checkpoint import (checkpoint_path, read_for_resume, resume_disag
 from cifar_wrn.cli import (add_training_flags, check_training_flags, free_port, launched_by_torchrun, port_from_env,
                            port_is_free, recipe_from_args, show_progress)
 from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            make_datasets, real_sample_mask, worker_options)
-from cifar_wrn.ema import build_ema, evaluated_network
+                            make_datasets, real_sample_mask, recalibration_batches, worker_options)
+from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
@@ -143,8 +143,12 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
     if len(train_batches.batches) == 0:
         raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
+    # bn_recalibration: a fixed set of unaugmented training images, dealt out to the ranks (usually none)
+    recalibration = recalibration_batches(train_set, recipe.bn_recalibration, rank, world_size, recipe.seed,
+                                          recipe.batch_size, device, recipe.channels_last)
     return Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
-                   train_sampler, train_batches, real_sample_mask(val_sampler))  # the mask leaves out padding
+                   train_sampler, train_batches, real_sample_mask(val_sampler),  # the mask leaves out padding
+                   recalibration)
 
 
 # ============================================================================ model
@@ -223,6 +227,9 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
+            if data.recalibration:  # the evaluated weights' own BatchNorm statistics: part of training, so timed
+                recalibrate_bn(evaluated_network(eval_model), data.recalibration, autocast,
+                               lambda stat: dist.all_reduce(stat, op=dist.ReduceOp.AVG))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
@@ -264,7 +271,8 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     for buffer in evaluated_network(eval_model).buffers():
         dist.broadcast(buffer, src=0)
     totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device,  # sums, count
-                      torch.bfloat16 if recipe.precision == "bf16" else None, tta_flip=recipe.tta_flip)
+                      torch.bfloat16 if recipe.precision == "bf16" else None, tta_flip=recipe.tta_flip,
+                      tta_translate=recipe.tta_translate)
     # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
     dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()

@@ -1,23 +1,31 @@
 """What the evaluation-only changes do: raw weights vs the EMA, with and without flip TTA, on saved checkpoints.
 
     python bench/eval_variants.py --data-dir data runs/fast4/snap/end-epoch3.pt runs/fast4/snap/end-epoch4.pt
+    python bench/eval_variants.py --data-dir data --translate 1 --translate 2 runs/fast7/snap/end-epoch3.pt
+    python bench/eval_variants.py --data-dir data --recalibrate 5000 runs/fast7/snap/end-epoch3.pt
 
-`ema_decay` and `tta_flip` change only what is evaluated, never the training steps, so one training run
-measures them exactly: evaluate each of its checkpoints (raw_ddp.py --checkpoint-dir; copy
-checkpoint.pt at the end of each epoch) four ways. One process, the whole validation set, the
-recipe's precision and memory layout (as the checkpoint's recipe says), outside any clock. Prints a
-markdown row per checkpoint: validation loss / accuracy of the raw weights and of the EMA, each without
-and with TTA, and the accuracy the run itself logged for that epoch (the same number as one of the
-four when the checkpoint is an epoch's end: a check that this script evaluates what the run did).
+`ema_decay`, `tta_flip` and `tta_translate` change only what is evaluated, never the training steps,
+so one training run measures them exactly: evaluate each of its checkpoints (raw_ddp.py --checkpoint-dir;
+copy checkpoint.pt at the end of each epoch) four ways, and, with --translate 1 --translate 2, also with
+flip TTA plus each shift (`tta_translate`) for the network the run scores (its EMA, else its raw weights),
+and, with --recalibrate 5000, with flip TTA after re-estimating its BatchNorm statistics on that many
+training images (`bn_recalibration`, as the checkpoint's world size of processes does it).
+One process, the whole validation set, the recipe's precision and memory layout (as the checkpoint's
+recipe says), outside any clock. Prints a markdown row per checkpoint: validation loss / accuracy of the
+raw weights and of the EMA, each without and with flip TTA, the numbers the run itself logged for that
+epoch (the same as one of the columns when the checkpoint is an epoch's end: a check that this script
+evaluates what the run did), then one column per shift and per recalibration.
 """
 import argparse
+import copy
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import DeviceBatches, load_split  # noqa: E402
+from cifar_wrn.data import DeviceBatches, load_split, recalibration_batches, tta_logits  # noqa: E402
+from cifar_wrn.ema import recalibrate_bn  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
 
 
@@ -28,18 +36,38 @@ def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
     return model.eval()
 
 
+def recalibrated(network: WideResNet, train_set, images: int, world_size: int, seed: int, batch_size: int,
+                 bf16: bool, channels_last: bool) -> WideResNet:
+    """A copy of `network` whose BatchNorm statistics are re-estimated as a `world_size`-process run with
+    `bn_recalibration: images` does it: each rank on its share (recalibration_batches), then the mean over
+    the ranks (the entry points' all-reduce)."""
+    shares = []
+    for rank in range(world_size):
+        share = copy.deepcopy(network)
+        recalibrate_bn(share, recalibration_batches(train_set, images, rank, world_size, seed, batch_size, "cpu",
+                                                    channels_last),
+                       dict(device_type="cpu", dtype=torch.bfloat16, enabled=bf16), lambda stat: None)
+        shares.append(dict(share.named_buffers()))
+    result = copy.deepcopy(network)
+    for name, buffer in result.named_buffers():
+        if name.endswith(("running_mean", "running_var")):
+            buffer.copy_(sum(share[name] for share in shares) / world_size)
+    return result
+
+
 @torch.no_grad()
-def four_ways(models: dict, val: DeviceBatches, batch_size: int, bf16: bool) -> dict:
-    """{(name, tta): (mean loss, accuracy)} for each model, without and with flip TTA."""
-    sums = {(name, tta): torch.zeros(2, dtype=torch.float64) for name in models for tta in (False, True)}
+def evaluate_variants(models: dict, val: DeviceBatches, batch_size: int, bf16: bool, variants: list) -> dict:
+    """{(name, flip, shift): (mean loss, accuracy)} for each model and each (flip, shift) of `variants`, every
+    one through cifar_wrn.data.tta_logits (the logits validation scores), one forward pass per distinct view."""
+    sums = {(name, *v): torch.zeros(2, dtype=torch.float64) for name in models for v in variants}
     for start in range(0, len(val), batch_size):
         images, labels = val[torch.arange(start, min(start + batch_size, len(val)))]
-        for name, model in models.items():
+        caches = {name: {} for name in models}
+        for (name, flip, shift), total in sums.items():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                plain, mirrored = model(images), model(images.flip(3))
-            for tta, logits in ((False, plain), (True, (plain + mirrored) / 2)):  # as cifar_wrn/data.evaluate
-                loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
-                sums[name, tta] += torch.stack([loss, (logits.argmax(1) == labels).sum().double()])
+                logits = tta_logits(models[name], images, flip, shift, caches[name])
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
+            total += torch.stack([loss, (logits.argmax(1) == labels).sum().double()])
     return {key: (s[0].item() / len(val), s[1].item() / len(val)) for key, s in sums.items()}
 
 
@@ -49,11 +77,19 @@ def main():
     p.add_argument("--data-dir", default="data")
     p.add_argument("--val-subset", type=int, help="only the first N validation images (tests)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--translate", type=int, action="append", default=[], metavar="PIXELS",
+                   help="also the EMA (else raw) with flip TTA plus this shift (tta_translate); repeatable")
+    p.add_argument("--recalibrate", type=int, action="append", default=[], metavar="IMAGES",
+                   help="also the EMA (else raw) with flip TTA after bn_recalibration on this many training "
+                        "images, as the checkpoint's world size does it; repeatable")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     val_images, val_labels = load_split(args.data_dir, train=False, subset=args.val_subset)
-    print("| checkpoint | where | raw | raw + flip TTA | EMA | EMA + flip TTA | logged |")
-    print("|---|---|---|---|---|---|---|")
+    extra_names = ([f"EMA (or raw) + flip + shift {t}" for t in args.translate]
+                   + [f"EMA (or raw), BN recalibrated on {n} + flip" for n in args.recalibrate])
+    print("| checkpoint | where | raw | raw + flip TTA | EMA | EMA + flip TTA | logged |"
+          + "".join(f" {name} |" for name in extra_names))
+    print("|---|---|---|---|---|---|---|" + "---|" * len(extra_names))
     for path in args.checkpoints:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         recipe = ckpt["recipe"]
@@ -63,9 +99,23 @@ def main():
         if recipe["channels_last"]:
             models = {k: m.to(memory_format=torch.channels_last) for k, m in models.items()}
         val = DeviceBatches(val_images, val_labels, "cpu", augment=False, channels_last=recipe["channels_last"])
-        result = four_ways(models, val, recipe["eval_batch_size"], recipe["precision"] == "bf16")
-        cells = [f"{result[name, tta][0]:.3f} / {result[name, tta][1]:.4f}" if name in models else "no EMA"
+        shifted = "ema" if "ema" in models else "raw"  # the shifted views only for the network the run scores
+        variants = {name: [(False, 0), (True, 0)] + ([(True, t) for t in args.translate] if name == shifted else [])
+                    for name in models}
+        result = {key: value for name, model in models.items() for key, value in evaluate_variants(
+            {name: model}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", variants[name]).items()}
+        cells = [f"{result[name, tta, 0][0]:.3f} / {result[name, tta, 0][1]:.4f}" if name in models else "no EMA"
                  for name in ("raw", "ema") for tta in (False, True)]
+        extra = [f"{result[shifted, True, t][0]:.3f} / {result[shifted, True, t][1]:.4f}" for t in args.translate]
+        if args.recalibrate:
+            train_set = DeviceBatches(*load_split(args.data_dir, train=True, subset=ckpt["train_images"]), "cpu",
+                                      augment=False)
+        for images in args.recalibrate:
+            network = recalibrated(models[shifted], train_set, images, ckpt["world_size"], recipe["seed"],
+                                   recipe["batch_size"], recipe["precision"] == "bf16", recipe["channels_last"])
+            loss, accuracy = evaluate_variants({"r": network}, val, recipe["eval_batch_size"],
+                                               recipe["precision"] == "bf16", [(True, 0)])["r", True, 0]
+            extra.append(f"{loss:.3f} / {accuracy:.4f}")
         # A checkpoint at step 0 of epoch e + 1 is the end of epoch e; its history ends with that epoch.
         logged = ckpt["history"][-1] if ckpt["history"] else None
         at_epoch_end = logged is not None and ckpt["step"] == 0 and logged["epoch"] == ckpt["epoch"]
@@ -73,8 +123,8 @@ def main():
                        else "(mid-epoch)")
         where = (f"end of epoch {ckpt['epoch']}" if ckpt["step"] == 0
                  else f"epoch {ckpt['epoch'] + 1}, step {ckpt['step']}")  # Progress.epoch: the next one, 0-based
-        print(f"| {path.name} | {where} | " + " | ".join(cells) + f" | {logged_cell} |",
-              flush=True)
+        print(f"| {path.name} | {where} | " + " | ".join(cells) + f" | {logged_cell} |"
+              + "".join(f" {cell} |" for cell in extra), flush=True)
 
 
 if __name__ == "__main__":

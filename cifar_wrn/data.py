@@ -13,7 +13,7 @@ import functools
 import itertools
 import os
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -208,6 +208,7 @@ class Loaders:
     train_sampler: DistributedSampler | None = None  # None: Accelerate's prepared loader reshuffles itself
     train_batches: "SkipFirst | None" = None         # None: Accelerate skips batches with skip_first_batches
     val_mask: torch.Tensor | None = None             # None: Accelerate's gather_for_metrics drops the padding
+    recalibration: list = field(default_factory=list)  # unaugmented training batches (recipe.bn_recalibration)
 
     def sizes(self) -> dict:
         """What a checkpoint records of the data, and a resume must match."""
@@ -267,11 +268,49 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
     return positions < len(sampler.dataset)
 
 
+def tta_weights(flip: bool = False, translate: int = 0) -> dict:
+    """{(shift, mirrored): weight} of the test-time views whose logits validation averages.
+
+    No TTA: the image alone. flip: it and its mirror image, half each. translate t > 0: half the weight
+    on the unshifted view(s), a quarter each on the image shifted t pixels towards the bottom right
+    (shift +t) and towards the top left (shift -t). Every weight is a power of two, so in bf16 the mean
+    rounds as (a + b) / 2 does."""
+    shifts = {0: 1.0} if translate == 0 else {0: 0.5, translate: 0.25, -translate: 0.25}
+    mirrors = {False: 0.5, True: 0.5} if flip else {False: 1.0}
+    return {(shift, mirrored): ws * wm for shift, ws in shifts.items() for mirrored, wm in mirrors.items()}
+
+
+def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
+    """The batch with its content moved `shift` pixels down and right (negative: up and left), the
+    uncovered border filled by reflection (no zero border the model never saw: the fast recipe trains
+    without crops), then mirrored left-right if asked; same memory layout as `images`."""
+    if shift != 0:
+        t, (h, w) = abs(shift), images.shape[-2:]
+        layout = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) \
+            else torch.contiguous_format
+        padded = torch.nn.functional.pad(images, (t, t, t, t), mode="reflect")
+        images = (padded[..., :h, :w] if shift > 0 else padded[..., 2 * t:, 2 * t:]).contiguous(memory_format=layout)
+    return images.flip(3) if mirrored else images
+
+
+def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int = 0, cache: dict | None = None):
+    """The logits validation scores: the weighted mean of the model's logits over the views of tta_weights.
+    `cache` ({(shift, mirrored): logits}) lets a benchmark score several variants of one batch with one
+    forward pass per distinct view."""
+    cache = {} if cache is None else cache
+    total = 0
+    for (shift, mirrored), weight in tta_weights(flip, translate).items():
+        if (shift, mirrored) not in cache:
+            cache[shift, mirrored] = model(tta_view(images, shift, mirrored))
+        total = total + weight * cache[shift, mirrored]
+    return total
+
+
 @torch.no_grad()
 def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False,
-             gather=None) -> torch.Tensor:
+             gather=None, tta_translate: int = 0) -> torch.Tensor:
     """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
-    With tta_flip, the logits are the mean over each image and its mirror image (test-time augmentation).
+    With tta_flip / tta_translate, the logits are a mean over test-time views of each image (tta_logits).
 
     `mask` says which samples are real (a DistributedSampler pads with repeats). Or, with mask None,
     `gather` is a collective the entry point passes in (Accelerate's gather_for_metrics): it collects
@@ -286,9 +325,7 @@ def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=No
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits = model(images)
-            if tta_flip:
-                logits = (logits + model(images.flip(3))) / 2
+            logits = tta_logits(model, images, tta_flip, tta_translate)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(1) == labels).double()
         if gather is not None:
@@ -321,6 +358,27 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
     crops = padded.gather(2, rows).gather(3, cols)
     flip = torch.rand(n, device=device, generator=generator) < 0.5
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
+
+
+def recalibration_batches(train_set, images: int, rank: int, world_size: int, seed: int, batch_size: int, device,
+                          channels_last: bool = False) -> list:
+    """This rank's share of `images` training images, for re-estimating BatchNorm statistics
+    (recipe.bn_recalibration): a fixed random subset (`seed`) dealt out to the ranks (positions rank,
+    rank + W, ...: together they see `images` different images), normalised, never augmented, in
+    batches of `batch_size` on `device` (a short last batch only when it is the only one: every
+    batch counts the same in the average). All the training images if there are fewer (a --train-subset
+    run of a full-data recipe). Made once, before training; it draws nothing from the training data's
+    random streams. [] when `images` is 0."""
+    if images == 0:
+        return []
+    if images < world_size:
+        raise DataError(f"bn_recalibration={images}: needs at least one image per process ({world_size} processes)")
+    images = min(images, len(train_set))
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))[:images][rank::world_size]
+    mine = DeviceBatches(train_set.images[order], train_set.labels[order], device, augment=False,
+                         channels_last=channels_last)
+    starts = range(0, max(len(mine) - batch_size, 0) + 1, batch_size)
+    return [mine[torch.arange(start, min(start + batch_size, len(mine)))][0] for start in starts]
 
 
 class DeviceBatches(Dataset):

@@ -12,7 +12,7 @@ weights closely while they move fast, and averages over more steps as training s
 """
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, update_bn
 
 
 def warmed_up_decay(decay: float, num_updates):
@@ -51,3 +51,19 @@ def evaluated_network(eval_model: nn.Module) -> nn.Module:
     """The plain WideResNet inside an EMA (AveragedModel.module), or the model itself: what is
     evaluated, saved, and whose BatchNorm statistics rank 0 broadcasts before evaluation."""
     return eval_model.module if isinstance(eval_model, AveragedModel) else eval_model
+
+
+@torch.no_grad()
+def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average) -> None:
+    """Replace `network`'s BatchNorm running statistics by the mean statistics of `batches` (its own
+    forward passes in training mode: torch.optim.swa_utils.update_bn), then make them the same on every
+    rank with `average`, a collective the entry point passes in (mean over ranks, in place).
+
+    An EMA's running statistics are a moving average of the raw network's, which were measured on
+    other weights; these are the averaged weights' own (docs/optimizations.md 6d)."""
+    with torch.autocast(**autocast):
+        update_bn(batches, network)
+    for module in network.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            average(module.running_mean)
+            average(module.running_var)

@@ -66,6 +66,10 @@ class Recipe:
     sync_bn: bool = False             # SyncBatchNorm: batch statistics over all ranks (costs a collective per BN)
     compile: bool = False             # torch.compile the model (compile time counts in epoch 1)
     tta_flip: bool = False            # evaluation also sees flipped images (changes the metric: report apart)
+    tta_translate: int = 0            # evaluation also sees each image shifted this many pixels both ways
+                                      # (reflected edges; 0 = off; evaluation only, like tta_flip)
+    bn_recalibration: int = 0         # training images (all ranks) whose batch statistics replace the evaluated
+                                      # network's BatchNorm statistics before each validation (0 = off); in the clock
 
 
 CHOICES = {"lr_scaling": ("linear", "none"), "lr_schedule": ("constant", "warmup_linear"),
@@ -166,6 +170,10 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"bn_lr_scale must be a positive number (got {r.bn_lr_scale})")
     if not 0 <= r.crop_padding <= 16:
         problems.append(f"crop_padding must be in 0..16 pixels (got {r.crop_padding}; 0 = flips only)")
+    if r.bn_recalibration < 0:
+        problems.append(f"bn_recalibration is a number of training images, >= 0 (got {r.bn_recalibration}; 0 = off)")
+    if not 0 <= r.tta_translate <= 8:
+        problems.append(f"tta_translate must be in 0..8 pixels (got {r.tta_translate}; 0 = off)")
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
     for key, allowed in CHOICES.items():

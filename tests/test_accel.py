@@ -30,7 +30,7 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_profile, check_metrics_of_saved_weights, check_residual_bn_init, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
+from conftest import (check_bn_recalibrated, check_profile, check_metrics_of_saved_weights, check_residual_bn_init, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
                       VAL_IMAGES, cpu_env, finish, free_port, parameter_distance, start, write_cifar)
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
@@ -298,10 +298,12 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch):
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
     bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
-    graph, bf16 gradient compression, flip TTA, 2-pixel crop padding and bn_lr_scale; the reported metrics
+    graph, bf16 gradient compression, flip and shift TTA, 2-pixel crop padding, bn_lr_scale and BatchNorm
+    recalibration; the reported metrics
     equal a single-process evaluation of the saved (EMA) weights."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "augment=true", "crop_padding=2", "bn_lr_scale=2"]
+               "tta_flip=true", "tta_translate=1", "augment=true", "crop_padding=2", "bn_lr_scale=2",
+               "bn_recalibration=100"]
     result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--recipe", "fast",
                                "--batch-size", 32, "--epochs", 2, *[a for o in options for a in ("--set", o)],
                                "--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl")
@@ -311,6 +313,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
+    check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 
 
 def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):

@@ -7,11 +7,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import raw_ddp
-from cifar_wrn.data import CIFAR10, DeviceBatches, load_split, random_crop_flip
+from cifar_wrn.data import CIFAR10, DataError, DeviceBatches, load_split, random_crop_flip, recalibration_batches
+from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_metrics_of_saved_weights, check_residual_bn_init, ONE_STEP, TINY, TRAIN_IMAGES,
+from conftest import (check_bn_recalibrated, check_metrics_of_saved_weights, check_residual_bn_init, ONE_STEP, TINY, TRAIN_IMAGES,
                       VAL_IMAGES, parameter_distance, raw_ddp as run_raw, run)
 
 
@@ -88,10 +89,12 @@ def test_fast_recipe_file():
 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
-    flip TTA, augmentation with 2-pixel crop padding and a doubled rate for BatchNorm parameters; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
-    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + TTA column."""
+    flip and 1-pixel shift TTA, augmentation with 2-pixel crop padding, a doubled rate for BatchNorm
+    parameters and BatchNorm recalibration on 100 training images; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
+    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + flip + shift 1 column, and recalibrating again changes little."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "augment=true", "crop_padding=2", "bn_lr_scale=2"]
+               "tta_flip=true", "tta_translate=1", "augment=true", "crop_padding=2", "bn_lr_scale=2",
+               "bn_recalibration=100"]
     result = run_raw("--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--epochs", 2,
                      "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
                      *[a for o in options for a in ("--set", o)], "--save", tmp_path / "w.pt",
@@ -101,14 +104,18 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
+    check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
     table = run([sys.executable, "bench/eval_variants.py", "--data-dir", cifar_dir, "--val-subset", VAL_IMAGES,
-                 tmp_path / "ckpt" / "checkpoint.pt"], timeout=60)
+                 "--translate", 1, "--recalibrate", 100, tmp_path / "ckpt" / "checkpoint.pt"], timeout=60)
     assert table.returncode == 0, table.stderr
     cells = [c.strip() for c in table.stdout.splitlines()[-1].strip("|").split("|")]
     assert cells[1] == "end of epoch 2" and cells[2] != cells[4]  # raw weights and EMA differ
-    (ema_tta_loss, ema_tta_acc), (logged_loss, logged_acc) = [map(float, c.split(" / ")) for c in cells[5:7]]
-    assert ema_tta_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)
-    assert ema_tta_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
+    (logged_loss, logged_acc), (shifted_loss, shifted_acc) = [map(float, c.split(" / ")) for c in cells[6:8]]
+    assert shifted_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)  # EMA + flip + shift 1: the run's
+    assert shifted_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
+    # The run had recalibrated its EMA on the same images; doing it again changes only bf16 rounding.
+    recalibrated_loss, _ = map(float, cells[8].split(" / "))
+    assert recalibrated_loss == pytest.approx(float(cells[5].split(" / ")[0]), abs=2e-2)
 
 
 def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
@@ -147,3 +154,41 @@ def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(cifar_dir, tmp_pa
 def test_sync_bn_on_cpu_is_refused():
     with pytest.raises(UserError, match="sync_bn needs CUDA"):
         raw_ddp.resolve(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
+
+
+def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifar_dir):
+    """bn_recalibration's images: the ranks' shares are disjoint and together `images` different training
+    images, unaugmented, in equal batches, the same on every call; the augmentation stream is not touched."""
+    images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
+    train_set = DeviceBatches(images, labels, "cpu", augment=True, seed=5)
+    state = train_set.generator.get_state()
+    shares = [recalibration_batches(train_set, 100, rank, 2, seed=0, batch_size=16, device="cpu") for rank in (0, 1)]
+    assert [[len(b) for b in share] for share in shares] == [[16, 16, 16]] * 2  # 50 each: the short 4th batch dropped
+    plain = DeviceBatches(images, labels, "cpu", augment=False)[torch.arange(len(labels))][0]
+    rows = [[int((plain == image).flatten(1).all(1).nonzero()) for batch in share for image in batch] for share in shares]
+    assert len(set(rows[0] + rows[1])) == 96 and not set(rows[0]) & set(rows[1])  # unaugmented training images
+    again = recalibration_batches(train_set, 100, 0, 2, seed=0, batch_size=16, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(again, shares[0]))
+    assert torch.equal(train_set.generator.get_state(), state)
+    assert recalibration_batches(train_set, 0, 0, 2, seed=0, batch_size=16, device="cpu") == []
+    everything = recalibration_batches(train_set, 10**6, 1, 2, seed=0, batch_size=16, device="cpu")
+    assert [len(b) for b in everything] == [16] * 10  # all 320 training images if there are fewer, 160 per rank
+    with pytest.raises(DataError, match="at least one image per process"):
+        recalibration_batches(train_set, 1, 0, 2, seed=0, batch_size=16, device="cpu")
+
+
+def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
+    """The running statistics become the mean of the batches' own mean and (unbiased) variance, whatever they
+    were, and `average` (the entry point's collective) then acts once on each of them."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)).eval()
+    net[1].running_mean.fill_(7.0)
+    batches = [torch.randn(8, 3, 4, 4) * (i + 1) + i for i in range(3)]
+    with torch.no_grad():
+        features = [net[0](b).transpose(0, 1).flatten(1) for b in batches]  # [channel, values] per batch
+    seen = []
+    recalibrate_bn(net, batches, dict(device_type="cpu", enabled=False), lambda stat: seen.append(stat.clone()))
+    torch.testing.assert_close(net[1].running_mean, torch.stack([f.mean(1) for f in features]).mean(0))
+    torch.testing.assert_close(net[1].running_var, torch.stack([f.var(1) for f in features]).mean(0))
+    assert len(seen) == 2 and torch.equal(seen[0], net[1].running_mean) and not net.training
+    recalibrate_bn(net, batches, dict(device_type="cpu", enabled=False), lambda stat: stat.add_(100))
+    torch.testing.assert_close(net[1].running_mean, torch.stack([f.mean(1) for f in features]).mean(0) + 100)

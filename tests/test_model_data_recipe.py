@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask)
+from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits)
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.recipe import (Recipe, RecipeError, build_optimizer, build_scheduler, load_recipe, parse_set,
                               scaled_lr)
@@ -126,6 +126,30 @@ def test_evaluate_returns_exact_sums():
     assert totals[2] == 9
     assert totals[1] == (logits.argmax(1) == labels[:9]).sum()
     torch.testing.assert_close(totals[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum"))
+    shifted = evaluate(model, loader, mask, torch.device("cpu"), tta_flip=True, tta_translate=1)
+    with torch.no_grad():
+        logits = tta_logits(model, images[:9], flip=True, translate=1)
+    torch.testing.assert_close(shifted[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum"))
+    assert shifted[0] != totals[0]  # the views changed the logits
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_tta_logits_weights_each_view(channels_last):
+    """With a "model" whose logits are its input pixels, tta_logits is visibly the documented mean: half on the
+    image (and its mirror), a quarter on each 1-pixel diagonal shift with reflected edges, in either layout."""
+    x = torch.arange(2 * 3 * 5 * 5, dtype=torch.float32).reshape(2, 3, 5, 5)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    pixels = lambda images: images.flatten(1)  # noqa: E731
+    back, ahead = torch.tensor([1, 0, 1, 2, 3]), torch.tensor([1, 2, 3, 4, 3])  # row/column i shows i -/+ 1,
+    down_right = x[:, :, back][:, :, :, back]                                # mirrored at the edge
+    up_left = x[:, :, ahead][:, :, :, ahead]
+    torch.testing.assert_close(tta_logits(pixels, x), pixels(x))
+    torch.testing.assert_close(tta_logits(pixels, x, flip=True), (pixels(x) + pixels(x.flip(3))) / 2)
+    torch.testing.assert_close(tta_logits(pixels, x, translate=1),
+                               pixels(x) / 2 + (pixels(down_right) + pixels(up_left)) / 4)
+    both = [(pixels(v) + pixels(v.flip(3))) / 2 for v in (x, down_right, up_left)]
+    torch.testing.assert_close(tta_logits(pixels, x, flip=True, translate=1), both[0] / 2 + (both[1] + both[2]) / 4)
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -290,6 +314,12 @@ def test_bn_lr_scale_is_checked(value):
 def test_crop_padding_is_checked(value):
     with pytest.raises(RecipeError, match="crop_padding must be in 0..16"):
         load_recipe("fast", {"crop_padding": value})
+
+
+@pytest.mark.parametrize("value", [-1, 9])
+def test_tta_translate_is_checked(value):
+    with pytest.raises(RecipeError, match="tta_translate must be in 0..8"):
+        load_recipe("fast", {"tta_translate": value})
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5])
