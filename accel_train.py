@@ -171,9 +171,7 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     if data.steps_per_epoch == 0:
         raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
-    # bn_recalibration: a fixed set of unaugmented training images, dealt out to the ranks (usually none)
-    data.recalibration = recalibration_batches(train_set, recipe.bn_recalibration, rank, world_size, recipe.seed,
-                                               recipe.batch_size, device, recipe.channels_last)
+    data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)  # bn_recalibration's
     return data
 
 
@@ -252,18 +250,15 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
-            if data.recalibration:  # the evaluated weights' own BatchNorm statistics: part of training, so timed
-                recalibrate_bn(evaluated_network(eval_model), data.recalibration, autocast,
-                               lambda stat: stat.copy_(accelerator.reduce(stat, reduction="mean")))
+            recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: t.copy_(accelerator.reduce(t, "mean")))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
             comm = allreduce_estimate(args, data.steps_per_epoch - progress.step, run, model, images, labels, criterion)
             # =============================================================== evaluate
-            # A1.9: images/sec is a SUM over ranks: they work on different images at the same time.
             images_per_sec = torch.tensor([data.steps_per_epoch * per_device_batch_size / epoch_time],
                                           dtype=torch.float64, device=device)
-            images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9
+            images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: a SUM: each rank, other images
             val_loss, val_accuracy = validate(accelerator, eval_model, data, device, recipe, show)  # A1.9
             metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
                        "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
@@ -299,7 +294,7 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     # summed sums and counts keep their ratio exact; the prepared loader's batches are gathered per batch
     # (gather_for_metrics collects every rank's per-image results and drops the padding repeats).
     totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device, autocast_dtype,
-                      recipe.tta_flip, tta_translate=recipe.tta_translate,
+                      recipe.tta_flip, recipe.tta_translate,
                       gather=None if data.val_mask is not None else accelerator.gather_for_metrics)  # A1.9
     if data.val_mask is not None:
         totals = accelerator.reduce(totals, reduction="sum")  # A1.9

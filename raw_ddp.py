@@ -143,12 +143,9 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
     if len(train_batches.batches) == 0:
         raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
-    # bn_recalibration: a fixed set of unaugmented training images, dealt out to the ranks (usually none)
-    recalibration = recalibration_batches(train_set, recipe.bn_recalibration, rank, world_size, recipe.seed,
-                                          recipe.batch_size, device, recipe.channels_last)
     return Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
                    train_sampler, train_batches, real_sample_mask(val_sampler),  # the mask leaves out padding
-                   recalibration)
+                   recalibration_batches(train_set, recipe, rank, world_size, device))  # bn_recalibration's
 
 
 # ============================================================================ model
@@ -227,18 +224,15 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
-            if data.recalibration:  # the evaluated weights' own BatchNorm statistics: part of training, so timed
-                recalibrate_bn(evaluated_network(eval_model), data.recalibration, autocast,
-                               lambda stat: dist.all_reduce(stat, op=dist.ReduceOp.AVG))
+            recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: dist.all_reduce(t, dist.ReduceOp.AVG))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
             comm = allreduce_estimate(args, data, model, raw_model, images, labels, criterion, autocast, device)
             # =============================================================== evaluate
-            # R1.9: images/sec is a SUM over ranks: they work on different images at the same time.
             images_per_sec = torch.tensor([data.steps_per_epoch * per_device_batch_size / epoch_time],
                                           dtype=torch.float64, device=device)
-            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9
+            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: a SUM: each rank trains on other images
             val_loss, val_accuracy = validate(eval_model, data, device, recipe, show)  # R1.9
             metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
                        "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
@@ -271,8 +265,7 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     for buffer in evaluated_network(eval_model).buffers():
         dist.broadcast(buffer, src=0)
     totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device,  # sums, count
-                      torch.bfloat16 if recipe.precision == "bf16" else None, tta_flip=recipe.tta_flip,
-                      tta_translate=recipe.tta_translate)
+                      torch.bfloat16 if recipe.precision == "bf16" else None, recipe.tta_flip, recipe.tta_translate)
     # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
     dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()

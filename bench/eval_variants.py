@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_wrn.data import DeviceBatches, load_split, recalibration_batches, tta_logits  # noqa: E402
-from cifar_wrn.ema import recalibrate_bn  # noqa: E402
+from cifar_wrn.ema import evaluated_network, recalibrate_bn  # noqa: E402
+from cifar_wrn.recipe import Recipe  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
 
 
@@ -36,17 +37,18 @@ def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
     return model.eval()
 
 
-def recalibrated(network: WideResNet, train_set, images: int, world_size: int, seed: int, batch_size: int,
-                 bf16: bool, channels_last: bool) -> WideResNet:
-    """A copy of `network` whose BatchNorm statistics are re-estimated as a `world_size`-process run with
-    `bn_recalibration: images` does it: each rank on its share (recalibration_batches), then the mean over
-    the ranks (the entry points' all-reduce)."""
+def recalibrated(eval_model, train_set, recipe: Recipe, world_size: int):
+    """A copy of the evaluated network (an EMA's inner network) whose BatchNorm statistics are re-estimated
+    as a `world_size`-process run of `recipe` does it (its bn_recalibration, batch size, seed and layout):
+    each rank on its share (recalibration_batches), then the mean over the ranks (the entry points'
+    all-reduce)."""
+    network = evaluated_network(eval_model)
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     shares = []
     for rank in range(world_size):
         share = copy.deepcopy(network)
-        recalibrate_bn(share, recalibration_batches(train_set, images, rank, world_size, seed, batch_size, "cpu",
-                                                    channels_last),
-                       dict(device_type="cpu", dtype=torch.bfloat16, enabled=bf16), lambda stat: None)
+        recalibrate_bn(share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast,
+                       lambda stat: None)
         shares.append(dict(share.named_buffers()))
     result = copy.deepcopy(network)
     for name, buffer in result.named_buffers():
@@ -111,8 +113,8 @@ def main():
             train_set = DeviceBatches(*load_split(args.data_dir, train=True, subset=ckpt["train_images"]), "cpu",
                                       augment=False)
         for images in args.recalibrate:
-            network = recalibrated(models[shifted], train_set, images, ckpt["world_size"], recipe["seed"],
-                                   recipe["batch_size"], recipe["precision"] == "bf16", recipe["channels_last"])
+            network = recalibrated(models[shifted], train_set, Recipe(**{**recipe, "bn_recalibration": images}),
+                                   ckpt["world_size"])
             loss, accuracy = evaluate_variants({"r": network}, val, recipe["eval_batch_size"],
                                                recipe["precision"] == "bf16", [(True, 0)])["r", True, 0]
             extra.append(f"{loss:.3f} / {accuracy:.4f}")

@@ -308,7 +308,7 @@ def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int =
 
 @torch.no_grad()
 def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False,
-             gather=None, tta_translate: int = 0) -> torch.Tensor:
+             tta_translate: int = 0, gather=None) -> torch.Tensor:
     """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
     With tta_flip / tta_translate, the logits are a mean over test-time views of each image (tta_logits).
 
@@ -360,25 +360,25 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
 
 
-def recalibration_batches(train_set, images: int, rank: int, world_size: int, seed: int, batch_size: int, device,
-                          channels_last: bool = False) -> list:
-    """This rank's share of `images` training images, for re-estimating BatchNorm statistics
-    (recipe.bn_recalibration): a fixed random subset (`seed`) dealt out to the ranks (positions rank,
-    rank + W, ...: together they see `images` different images), normalised, never augmented, in
-    batches of `batch_size` on `device` (a short last batch only when it is the only one: every
-    batch counts the same in the average). All the training images if there are fewer (a --train-subset
-    run of a full-data recipe). Made once, before training; it draws nothing from the training data's
-    random streams. [] when `images` is 0."""
+def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
+    """This rank's share of the recipe's `bn_recalibration` training images, for re-estimating the
+    evaluated network's BatchNorm statistics: a fixed random subset (recipe.seed) dealt out to the
+    ranks (positions rank, rank + W, ...: together they see that many different images), normalised,
+    never augmented, in batches of recipe.batch_size on `device`, in the recipe's memory layout (a
+    short last batch only when it is the only one: every batch counts the same in the average). All
+    the training images if there are fewer (a --train-subset run of a full-data recipe). Made once,
+    before training; it draws nothing from the training data's random streams. [] when the key is 0."""
+    images, batch_size = recipe.bn_recalibration, recipe.batch_size
     if images == 0:
         return []
     if images < world_size:
         raise DataError(f"bn_recalibration={images}: needs at least one image per process ({world_size} processes)")
-    images = min(images, len(train_set))
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))[:images][rank::world_size]
-    mine = DeviceBatches(train_set.images[order], train_set.labels[order], device, augment=False,
-                         channels_last=channels_last)
-    starts = range(0, max(len(mine) - batch_size, 0) + 1, batch_size)
-    return [mine[torch.arange(start, min(start + batch_size, len(mine)))][0] for start in starts]
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
+    mine = order[:min(images, len(train_set))][rank::world_size]
+    share = DeviceBatches(train_set.images[mine], train_set.labels[mine], device, augment=False,
+                          channels_last=recipe.channels_last)
+    starts = range(0, max(len(share) - batch_size, 0) + 1, batch_size)
+    return [share[torch.arange(start, min(start + batch_size, len(share)))][0] for start in starts]
 
 
 class DeviceBatches(Dataset):

@@ -148,13 +148,14 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
     from eval_variants import recalibrated
     from cifar_wrn.data import DeviceBatches, load_split
     from cifar_wrn.model import WideResNet
+    from cifar_wrn.recipe import load_recipe
     saved = WideResNet(width=4)
     saved.load_state_dict(torch.load(weights_path))
     train_set = DeviceBatches(*load_split(cifar_dir, train=True, subset=TRAIN_IMAGES), "cpu", augment=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the threads of each of the run's processes on 2 cores: bf16 rounds the same way
-    again = recalibrated(saved.to(memory_format=torch.channels_last), train_set, images, world_size, seed=0,
-                         batch_size=32, bf16=True, channels_last=True)
+    again = recalibrated(saved.to(memory_format=torch.channels_last), train_set,
+                         load_recipe("fast", {"batch_size": 32, "bn_recalibration": images}), world_size)
     torch.set_num_threads(threads)
     for key, expected in again.state_dict().items():
         if "running" in key:

@@ -1,6 +1,7 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -162,19 +163,20 @@ def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifa
     images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
     train_set = DeviceBatches(images, labels, "cpu", augment=True, seed=5)
     state = train_set.generator.get_state()
-    shares = [recalibration_batches(train_set, 100, rank, 2, seed=0, batch_size=16, device="cpu") for rank in (0, 1)]
+    recipe = load_recipe("fast", {"bn_recalibration": 100, "batch_size": 16, "channels_last": False})
+    shares = [recalibration_batches(train_set, recipe, rank, 2, "cpu") for rank in (0, 1)]
     assert [[len(b) for b in share] for share in shares] == [[16, 16, 16]] * 2  # 50 each: the short 4th batch dropped
     plain = DeviceBatches(images, labels, "cpu", augment=False)[torch.arange(len(labels))][0]
     rows = [[int((plain == image).flatten(1).all(1).nonzero()) for batch in share for image in batch] for share in shares]
     assert len(set(rows[0] + rows[1])) == 96 and not set(rows[0]) & set(rows[1])  # unaugmented training images
-    again = recalibration_batches(train_set, 100, 0, 2, seed=0, batch_size=16, device="cpu")
+    again = recalibration_batches(train_set, recipe, 0, 2, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(again, shares[0]))
     assert torch.equal(train_set.generator.get_state(), state)
-    assert recalibration_batches(train_set, 0, 0, 2, seed=0, batch_size=16, device="cpu") == []
-    everything = recalibration_batches(train_set, 10**6, 1, 2, seed=0, batch_size=16, device="cpu")
+    assert recalibration_batches(train_set, replace(recipe, bn_recalibration=0), 0, 2, "cpu") == []
+    everything = recalibration_batches(train_set, replace(recipe, bn_recalibration=10**6), 1, 2, "cpu")
     assert [len(b) for b in everything] == [16] * 10  # all 320 training images if there are fewer, 160 per rank
     with pytest.raises(DataError, match="at least one image per process"):
-        recalibration_batches(train_set, 1, 0, 2, seed=0, batch_size=16, device="cpu")
+        recalibration_batches(train_set, replace(recipe, bn_recalibration=1), 0, 2, "cpu")
 
 
 def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
