@@ -171,7 +171,7 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     if data.steps_per_epoch == 0:
         raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
-    data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)  # bn_recalibration's
+    data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)  # bn_recalibration (or [])
     return data
 
 

@@ -145,7 +145,7 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
                         f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
     return Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
                    train_sampler, train_batches, real_sample_mask(val_sampler),  # the mask leaves out padding
-                   recalibration_batches(train_set, recipe, rank, world_size, device))  # bn_recalibration's
+                   recalibration_batches(train_set, recipe, rank, world_size, device))  # bn_recalibration (or [])
 
 
 # ============================================================================ model

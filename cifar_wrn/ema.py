@@ -55,11 +55,12 @@ def evaluated_network(eval_model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def recalibrate_bn(eval_model: nn.Module, batches: list, autocast: dict, average) -> None:
-    """bn_recalibration, after an epoch's last step and inside its clock (it trains on training images):
-    replace the evaluated network's BatchNorm running statistics by the mean statistics of `batches`
-    (its own forward passes in training mode: torch.optim.swa_utils.update_bn), then make them the same
-    on every rank with `average`, a collective the entry point passes in (mean over ranks, in place).
-    Nothing to do without batches (the key at 0).
+    """bn_recalibration, after an epoch's last step and inside its clock (forward passes over training
+    images are training work): replace the evaluated network's BatchNorm running statistics by the
+    mean statistics of `batches` (its own forward passes in training mode:
+    torch.optim.swa_utils.update_bn), then make them the same on every rank with `average`, a
+    collective the entry point passes in (mean over ranks, in place). Nothing to do without batches
+    (the key at 0).
 
     An EMA's running statistics are a moving average of the raw network's, which were measured on
     other weights; these are the averaged weights' own (docs/optimizations.md 6d)."""
