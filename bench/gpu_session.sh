@@ -9,8 +9,9 @@
 #   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data), with that commit
 #
 # Order = priority: the fast recipe to the criterion at the 2-GPU global batch (256 images per step),
-# alone on the GPU, so its epoch times are a measurement; then more seeds of it and the variants that
-# tied with it in the 2026-12-01 sweep (bench/levers-next.txt, four at a time through bench/gpu_sweep.sh:
+# alone on the GPU, so its epoch times are a measurement; then it without the BatchNorm re-estimation,
+# more seeds of it and the variants that tied with it in the 2026-12-01 sweep (bench/levers-next.txt,
+# four at a time through bench/gpu_sweep.sh:
 # accuracy only, their $OUT/sweep/ has its own session.log and logs.tar.gz), the data pipeline, and
 # last the checks the first H200 session (2026-11-30) already made: the per-step ablation, 2 baseline
 # epochs, the EMA host-sync check, torch.compile. The JSON logs of the runs made here go into
