@@ -63,11 +63,16 @@ def recalibrate_bn(eval_model: nn.Module, batches: list, autocast: dict, average
     (the key at 0).
 
     An EMA's running statistics are a moving average of the raw network's, which were measured on
-    other weights; these are the averaged weights' own (docs/optimizations.md 6d)."""
+    other weights; these are the averaged weights' own (docs/optimizations.md 6d).
+
+    Training mode runs the blocks' Dropout too, which draws from the global random stream that the
+    training's dropout masks come from; fork_rng puts that stream back afterwards, so turning this on
+    leaves the training itself bit for bit unchanged (until 2026-12-01 it did not: docs/benchmarks.md, run 8)."""
     if not batches:
         return
     network = evaluated_network(eval_model)
-    with torch.autocast(**autocast):
+    device = next(network.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.autocast(**autocast):
         update_bn(batches, network)
     for module in network.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -179,6 +179,19 @@ def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifa
         recalibration_batches(train_set, replace(recipe, bn_recalibration=1), 0, 2, "cpu")
 
 
+def test_recalibrate_bn_leaves_the_training_random_stream_alone():
+    """The re-estimation runs Dropout in training mode; the training's dropout masks must not shift because
+    of it (they did before the fix: run 8 of docs/benchmarks.md left run 7's training after epoch 1)."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.Dropout(0.5), torch.nn.BatchNorm2d(3))
+    torch.manual_seed(0)
+    expected = torch.rand(5)
+    torch.manual_seed(0)
+    recalibrate_bn(net, [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))],
+                   dict(device_type="cpu", enabled=False), lambda stat: None)
+    assert torch.equal(torch.rand(5), expected)
+    assert not torch.equal(net[2].running_var, torch.ones(3))  # it did re-estimate
+
+
 def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
     """The running statistics become the mean of the batches' own mean and (unbiased) variance, whatever they
     were, and `average` (the entry point's collective) then acts once on each of them."""
