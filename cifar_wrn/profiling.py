@@ -111,17 +111,13 @@ def state_restored(raw_model: torch.nn.Module, device: torch.device):
     """Put the BatchNorm buffers and the random state back on exit: an extra measurement (--profile's
     all-reduce estimate) must not change what the run does next."""
     buffers = [b.clone() for b in raw_model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
-        yield
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # as recalibrate_bn
+            yield
     finally:
         with torch.no_grad():
             for saved, buffer in zip(buffers, raw_model.buffers()):
                 buffer.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
 
 
 def backward_seconds(forward, backward, context, device: torch.device, repeats: int) -> float:
