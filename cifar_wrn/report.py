@@ -22,7 +22,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
@@ -101,11 +101,30 @@ def global_rank(node_id: int, num_gpus: int, local_rank: int) -> int:
 # ============================================================================ reading logs
 
 @dataclass
+class Segment:
+    """One stretch of a run in its log: from a header to the next. The first starts the run; each later one
+    is a resume (`--auto-resume` after a preemption or a requeue), whose header carries `resumed_at`."""
+    line: int                     # the header's line number in the file
+    header: dict
+
+    @property
+    def resumed_at(self) -> dict | None:
+        return self.header.get("resumed_at")
+
+    def where(self) -> str:
+        """'epoch 3 step 60' for a resume, '' for the start of the run."""
+        at = self.resumed_at
+        return f"epoch {at.get('epoch')} step {at.get('step')}" if isinstance(at, dict) else ""
+
+
+@dataclass
 class Run:
     path: Path
-    header: dict
-    epochs: list[dict]
+    header: dict                  # the first header: how the run started
+    epochs: list[dict]            # in epoch order, one per epoch (a resume's record replaces an older one)
     label: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the reader should know about the log itself
 
     @property
     def world_size(self) -> int:
@@ -120,25 +139,36 @@ class Run:
         return self.header["num_gpus"]
 
     @property
+    def recipe(self) -> dict:
+        """The recipe the run ended with: a resume may change the stopping rule (RESUMABLE_CHANGES)."""
+        return (self.segments[-1].header if self.segments else self.header)["recipe"]
+
+    @property
     def target(self) -> float:
-        return self.header["recipe"]["target_accuracy"]
+        return self.recipe["target_accuracy"]
 
     @property
     def patience(self) -> int:
-        return self.header["recipe"]["patience"]
+        return self.recipe["patience"]
 
     @property
     def config(self) -> tuple:
         return (self.num_nodes, self.num_gpus, self.header["backend"], self.header["device"])
+
+    @property
+    def resumes(self) -> list[Segment]:
+        return self.segments[1:] if self.segments and self.segments[0].resumed_at is None else self.segments
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_run(path) -> Run:
-    """A run log, checked: a LogError names the file (and line) when it is not one."""
-    path = Path(path)
+HINT = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
+
+
+def _records(path: Path):
+    """(line number, JSON object) of every non-blank line; a LogError names the file (and line)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -149,46 +179,102 @@ def read_run(path) -> Run:
         raise LogError(f"{path}: not a run log (not a text file)") from None
     except OSError as exc:
         raise LogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    hint = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
-    header, epochs = None, []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise LogError(f"{path}, line {number}: not JSON; {hint}") from None
+            raise LogError(f"{path}, line {number}: not JSON; {HINT}") from None
         if not isinstance(record, dict):
-            raise LogError(f"{path}, line {number}: not a JSON object; {hint}")
+            raise LogError(f"{path}, line {number}: not a JSON object; {HINT}")
+        yield number, record
+
+
+def _check_header(where: str, record: dict) -> None:
+    missing = [k for k in HEADER_FIELDS if k not in record]
+    if missing:
+        raise LogError(f"{where}: the header lacks {', '.join(missing)}")
+    for key in ("world_size", "num_nodes", "num_gpus"):
+        if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
+            raise LogError(f"{where}: header {key} must be a positive integer (got {record[key]!r})")
+    if record["world_size"] != record["num_nodes"] * record["num_gpus"]:
+        raise LogError(f"{where}: header world_size {record['world_size']} is not num_nodes x num_gpus = "
+                       f"{record['num_nodes']} x {record['num_gpus']}")
+    recipe = record.get("recipe")
+    if not isinstance(recipe, dict) or not _is_number(recipe.get("target_accuracy")) \
+            or not isinstance(recipe.get("patience"), int):
+        raise LogError(f"{where}: the header has no recipe with target_accuracy and patience")
+    at = record.get("resumed_at")
+    if at is not None and not (isinstance(at, dict) and isinstance(at.get("epoch"), int) and at["epoch"] >= 1
+                               and isinstance(at.get("step"), int)):
+        raise LogError(f"{where}: resumed_at must be null or {{\"epoch\": N >= 1, \"step\": M}} (got {at!r})")
+
+
+def other_run(first: dict, later: dict) -> str | None:
+    """Why the header `later` does not continue the run that `first` started, or None when it does: the
+    trainers' own rule for a resume (cifar_wrn/checkpoint.py resume_problem: the same world size, model,
+    data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
+    trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
+    from .checkpoint import resume_problem  # torch: only for logs with more than one header
+    from .recipe import Recipe, as_dict
+    defaults = as_dict(Recipe())
+    data = ("train_images", "val_images", "steps_per_epoch")
+    started = {"world_size": first["world_size"], "model_width": first.get("model_width"),
+               "recipe": {**defaults, **first["recipe"]}, **{k: first[k] for k in data if k in first}}
+    return resume_problem(started, {**defaults, **later["recipe"]}, later["world_size"], later.get("model_width"),
+                          {k: later[k] for k in data if k in later and k in first})
+
+
+def read_run(path) -> Run:
+    """A run log, checked: a LogError names the file (and line) when it is not one. A log with several
+    headers is one run resumed (each later header has `resumed_at` and continues the first one's run):
+    its epochs are read in order, a resume's record of an epoch replacing any older one."""
+    path = Path(path)
+    segments: list[Segment] = []
+    epochs: dict[int, dict] = {}
+    notes: list[str] = []
+    for number, record in _records(path):
+        where = f"{path}, line {number}"
         if record.get("kind") == "header":
-            if header is not None:
-                raise LogError(f"{path}, line {number}: a second header (two runs in one file?); one run per file")
-            missing = [k for k in HEADER_FIELDS if k not in record]
-            if missing:
-                raise LogError(f"{path}, line {number}: the header lacks {', '.join(missing)}")
-            for key in ("world_size", "num_nodes", "num_gpus"):
-                if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
-                    raise LogError(f"{path}, line {number}: header {key} must be a positive integer "
-                                   f"(got {record[key]!r})")
-            if record["world_size"] != record["num_nodes"] * record["num_gpus"]:
-                raise LogError(f"{path}, line {number}: header world_size {record['world_size']} is not "
-                               f"num_nodes x num_gpus = {record['num_nodes']} x {record['num_gpus']}")
-            recipe = record.get("recipe")
-            if not isinstance(recipe, dict) or not _is_number(recipe.get("target_accuracy")) \
-                    or not isinstance(recipe.get("patience"), int):
-                raise LogError(f"{path}, line {number}: the header has no recipe with target_accuracy and patience")
-            header = record
+            _check_header(where, record)
+            if segments:
+                start = segments[0]
+                if record.get("resumed_at") is None:
+                    raise LogError(f"{where}: a second header without resumed_at: a new run starts here, not a "
+                                   f"resume of the run of line {start.line}; one run per file")
+                problem = other_run(start.header, record)
+                if problem:
+                    raise LogError(f"{where}: this header is not a resume of the run of line {start.line} "
+                                   f"({problem}); one run per file")
+            segment = Segment(number, record)
+            if segment.resumed_at is not None:
+                resumed = segment.resumed_at["epoch"]
+                redone = sorted(e for e in epochs if e >= resumed)
+                for e in redone:  # logged, then lost: the checkpoint resumed from was older than them
+                    del epochs[e]
+                if redone:
+                    notes.append(f"line {number} resumes at {segment.where()}, before epoch(s) "
+                                 f"{', '.join(map(str, redone))} already logged: those were trained again; the "
+                                 f"table shows the later records")
+                if resumed > max(epochs, default=0) + 1:
+                    notes.append(f"line {number} resumes at {segment.where()}, but this file holds no record of "
+                                 f"epoch(s) {max(epochs, default=0) + 1}..{resumed - 1}")
+            segments.append(segment)
         elif record.get("kind") == "epoch":
-            if header is None:
-                raise LogError(f"{path}, line {number}: an epoch record before the header; {hint}")
+            if not segments:
+                raise LogError(f"{where}: an epoch record before the header; {HINT}")
             bad = [k for k in EPOCH_FIELDS if not _is_number(record.get(k))]
             if bad:
-                raise LogError(f"{path}, line {number}: the epoch record lacks numeric {', '.join(bad)}")
-            epochs.append(record)
+                raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
+            if epochs and record["epoch"] <= max(epochs):
+                raise LogError(f"{where}: epoch {record['epoch']} after epoch {max(epochs)} with no resume "
+                               f"between them (two runs appended to one file?); one run per file")
+            epochs[record["epoch"]] = dict(record, log_line=number)
         # other kinds of record (none today) are left alone: a newer trainer may add some
-    if header is None:
-        raise LogError(f"{path}: not a run log (no header record); {hint}")
-    return Run(path, header, epochs)
+    if not segments:
+        raise LogError(f"{path}: not a run log (no header record); {HINT}")
+    return Run(path, segments[0].header, [epochs[e] for e in sorted(epochs)], segments=segments, notes=notes)
 
 
 def label_runs(runs: list[Run]) -> None:
@@ -348,7 +434,27 @@ def header_facts(run: Run) -> list[list]:
                 ("torch", "torch_version"), ("host (rank 0)", "hostname"), ("started", "started_at")]
     facts += [[name, h[key]] for name, key in optional if key in h]
     facts.append(["stopping rule", f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"])
+    if run.resumes:
+        facts.append(["resumed", resume_text(run)])
     return facts
+
+
+def short_commit(commit) -> str:
+    """'1615f1c' for a 40-digit commit ('1615f1c-dirty' for a dirty tree); anything else as it is."""
+    text = str(commit)
+    return text[:7] + ("-dirty" if text.endswith("-dirty") else "") if re.match(r"[0-9a-f]{40}", text) else text
+
+
+def resume_text(run: Run) -> str:
+    """Where the run was resumed, '' when it never was: one log, one run, however many segments."""
+    if not run.resumes:
+        return ""
+    each = [f"at {s.where()} (line {s.line}" + (f", started {s.header['started_at']}" if s.header.get("started_at")
+                                                 else "") + (f", commit {short_commit(s.header['git_commit'])}"
+                                                             if s.header.get("git_commit") else "") + ")"
+            for s in run.resumes]
+    times = "once" if len(each) == 1 else f"{len(each)} times"
+    return f"{times}: " + "; ".join(each) + "; Cumulative Time continues across the resumes (training time only)"
 
 
 def epoch_table(run: Run) -> str:
@@ -370,8 +476,8 @@ def epoch_table(run: Run) -> str:
     return md_table(head, rows)
 
 
-def scaling_section(sc: Scaling, runs: list[Run]) -> list[str]:
-    out = ["## Scaling", ""]
+def scaling_table(sc: Scaling) -> tuple[list[str], list[list]]:
+    """(headings, rows) of the scaling table, for report.md and the PDF alike."""
     speed = sc.basis is not None
     head = ["run", "processes (world size)", "nodes x per node", "Cumulative Time to target (s)",
             "mean Images/sec", "final val accuracy"]
@@ -389,7 +495,12 @@ def scaling_section(sc: Scaling, runs: list[Run]) -> list[str]:
             cells += [fmt(row["speedup"]), fmt(row["efficiency"]), fmt(row.get("karp_flatt"), 4)]
             cells += [fmt(amdahl.get(n)) for n in AMDAHL_GPUS]
         rows.append(cells)
-    out += [md_table(head, rows), ""]
+    return head, rows
+
+
+def scaling_section(sc: Scaling, runs: list[Run]) -> list[str]:
+    speed = sc.basis is not None
+    out = ["## Scaling", "", md_table(*scaling_table(sc)), ""]
     targets = sorted({(r.target, r.patience) for r in runs})
     out.append("- **Cumulative Time to target**: the Cumulative Time (training only, validation excluded, rank "
                "0's clock) at the first epoch where validation accuracy has been >= the target for `patience` "
@@ -432,6 +543,100 @@ def profile_section(runs: list[Run]) -> list[str]:
             md_table(["run"] + keys + ["sum"], rows), ""]
 
 
+# ============================================================================ the course's R3 report
+
+REPO = Path(__file__).resolve().parent.parent
+# One line per course step: why raw_ddp.py does it (docs/ddp_walkthrough.md says more). A test checks that
+# every `# R1.<n>` tag in raw_ddp.py has its line here.
+STEP_WHY = {
+    "R1.1": "Every node runs the same command, told how many nodes there are, which one it is and how many GPUs "
+            "it has: the numbers each process needs to find its rank and the group.",
+    "R1.2": "world_size = num_nodes x num_gpus; rank = node_id x num_gpus + local_rank: a unique rank per "
+            "process, which picks its data shard and makes rank 0 the one that prints.",
+    "R1.3": "init_process_group joins all world_size processes at node 0's address (nccl on GPUs, gloo on CPUs): "
+            "no collective works before it; destroy_process_group leaves the group at the end.",
+    "R1.4": "One process per node downloads the data while the others wait at a barrier: no two processes write "
+            "the same files at once, and nobody reads a half-written file.",
+    "R1.5": "DistributedSampler gives each rank its own 1/world_size of the images, all shards the same length, "
+            "so the ranks train on different images and take the same number of steps.",
+    "R1.6": "set_epoch(epoch) draws a new shuffle each epoch, the same on every rank: without it every epoch "
+            "repeats the same batches.",
+    "R1.7": "Pin each process to its own GPU, cuda:<local_rank>, before any CUDA work: otherwise all processes "
+            "of a node land on GPU 0.",
+    "R1.8": "The DDP wrapper broadcasts rank 0's weights at the start and averages the gradients of all ranks "
+            "during backward, so every replica takes the same step.",
+    "R1.9": "Each rank validates its own share: loss and accuracy are averaged over the ranks (AVG), images/sec "
+            "summed (SUM), since each rank trains on other images.",
+    "R1.10": "Only rank 0 prints the epoch lines and the final line: once, not once per process.",
+    "R1.11": "mp.spawn starts one process per GPU on this node and hands each its local_rank.",
+}
+TAG = re.compile(r"#\s*(R1\.\d+\b.*)$")
+
+
+def ddp_steps(source: Path = REPO / "raw_ddp.py") -> list[tuple[str, list[int], str]]:
+    """(step, line numbers, why) for each `# R1.<n>` tag in `source`, by step number. A line cites every
+    step its comment names ("# R1.2, R1.3, R1.7" on a call counts for all three)."""
+    lines: dict[str, list[int]] = {}
+    for number, text in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        tag = TAG.search(text)
+        for step in re.findall(r"R1\.\d+\b", tag.group(1)) if tag else []:
+            lines.setdefault(step, []).append(number)
+    order = sorted(lines, key=lambda step: int(step.split(".")[1]))
+    return [(step, lines[step], STEP_WHY.get(step, "(no line in cifar_wrn/report.py STEP_WHY yet)"))
+            for step in order]
+
+
+def where_text(name: str, numbers: list[int]) -> str:
+    """'raw_ddp.py:86,88,89': the file and the lines of one step, with no spaces (one token to grep)."""
+    return f"{name}:" + ",".join(map(str, numbers))
+
+
+def main_run(runs: list[Run]) -> Run:
+    """The run whose epoch log the course asks for: a 2-process one (the criterion met first), else the one
+    with the most processes; the first given among equals."""
+    def rank(r):
+        met = time_to_target(r.epochs, r.target, r.patience) is not None
+        return (r.world_size == 2, r.world_size if r.world_size != 2 else 0, met)
+    return max(runs, key=rank)  # max keeps the first of equal keys
+
+
+def printed_lines(run: Run) -> list[str]:
+    """What rank 0 printed, line for line from the log: each epoch's line and the final line (the trainers'
+    own functions, cifar_wrn/runlog.py), or none when the log ends before the run did."""
+    from types import SimpleNamespace
+
+    from .runlog import Progress, epoch_line, final_line
+    lines = [epoch_line(e) for e in run.epochs]
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    stopped = stop is not None and stop == len(run.epochs) - 1
+    budget = run.recipe.get("epochs")
+    if stopped or (isinstance(budget, int) and run.epochs and run.epochs[-1]["epoch"] >= budget):
+        recipe = SimpleNamespace(target_accuracy=run.target, patience=run.patience, epochs=budget)
+        lines.append(final_line(Progress(epoch=run.epochs[-1]["epoch"]), recipe, stopped))
+    return lines
+
+
+def criterion_text(run: Run) -> str:
+    """The Cumulative Time at which the stopping criterion was first met, in words."""
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    rule = f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"
+    if stop is None:
+        return f"Not met: {rule} did not happen in the {len(run.epochs)} epoch(s) of this log."
+    return (f"Cumulative Time at the criterion: {run.epochs[stop]['cumulative_time']:.3f} s, after epoch "
+            f"{run.epochs[stop]['epoch']} ({rule}).")
+
+
+def optimisations(run: Run) -> list[tuple[str, str, str]]:
+    """(recipe key, baseline value, value used) for each key where the run's recipe differs from
+    recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
+    from .recipe import Recipe, as_dict, load_recipe
+    baseline = as_dict(load_recipe("baseline"))
+    used = {**as_dict(Recipe()), **run.recipe}
+    show = lambda value: value if isinstance(value, str) else json.dumps(value)  # true/false as in YAML
+    return [(key, show(baseline[key]) if key in baseline else "(not a key of this code)", show(used[key]))
+            for key in used if baseline.get(key, object()) != used[key]]
+
+
 # ============================================================================ figures
 
 def load_matplotlib():
@@ -471,8 +676,13 @@ def plot_accuracy(mpl, runs: list[Run], path: Path) -> Path:
                     linestyle="none")
     for target in sorted({r.target for r in runs}):
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
-    ax.set_xlim(left=0)
-    ax.set_xlabel("Cumulative Time (s, training only)")
+    times = [e["cumulative_time"] for r in runs for e in r.epochs if e["cumulative_time"] > 0]
+    if times and max(times) > 100 * min(times):  # e.g. a GPU run and a CPU run: on a linear axis one is a dot
+        ax.set_xscale("log")
+        ax.set_xlabel("Cumulative Time (s, training only; log scale)")
+    else:
+        ax.set_xlim(left=0)
+        ax.set_xlabel("Cumulative Time (s, training only)")
     ax.set_ylabel("validation accuracy")
     ax.set_title("Validation accuracy against training time (* = stopping criterion met)")
     ax.grid(alpha=0.3)
@@ -592,6 +802,11 @@ def plot_topology(mpl, num_nodes: int, num_gpus: int, backend: str, device: str,
 
 # ============================================================================ the report
 
+def topology_name(config: tuple) -> str:
+    nodes, gpus, backend, device = config
+    return f"topology_{nodes}x{gpus}_{safe_name(str(backend))}_{safe_name(str(device))}.png"
+
+
 def write_report(runs: list[Run], out_dir, figures: bool = True) -> tuple[Path, list[Path], str | None]:
     """Write out_dir/report.md (and the PNGs). Returns (report path, figure paths, why figures were skipped)."""
     out_dir = Path(out_dir)
@@ -617,8 +832,8 @@ def write_report(runs: list[Run], out_dir, figures: bool = True) -> tuple[Path, 
         for run in runs:
             if run.config not in topology_png:
                 nodes, gpus, backend, device = run.config
-                name = f"topology_{nodes}x{gpus}_{safe_name(str(backend))}_{safe_name(str(device))}.png"
-                topology_png[run.config] = plot_topology(mpl, nodes, gpus, str(backend), str(device), out_dir / name)
+                topology_png[run.config] = plot_topology(mpl, nodes, gpus, str(backend), str(device),
+                                                         out_dir / topology_name(run.config))
                 written.append(topology_png[run.config])
 
     lines = ["# Training report", "",
@@ -644,7 +859,7 @@ def write_report(runs: list[Run], out_dir, figures: bool = True) -> tuple[Path, 
                   "Process topology:", "", "```", topology_text(*run.config), "```", ""]
         if run.config in topology_png:
             lines += [f"![process topology of {md_cell(run.label)}]({topology_png[run.config].name})", ""]
-        lines += [epoch_table(run), ""]
+        lines += [epoch_table(run), ""] + [f"- {note}" for note in run.notes] + ([""] if run.notes else [])
     report = out_dir / "report.md"
     try:
         report.write_text("\n".join(lines))
@@ -660,19 +875,37 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                 "--log-json (one run per file)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for report.md and the PNG figures")
     p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
+    p.add_argument("--pdf", metavar="FILE", help="also write the course's R3 report, at most 4 pages, to FILE (needs "
+                                                 "fpdf2, the extra `pdf`; the figures need matplotlib)")
+    p.add_argument("--notes", metavar="NOTES.yaml", help="with --pdf: your own why and before/after for the "
+                                                         "optimisations table (recipe key: {why: ..., before_after: ...})")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.notes and not args.pdf:
+            raise UserError("--notes fills in the PDF's optimisations table: give --pdf FILE too")
+        if args.pdf:
+            from .report_pdf import MAX_PAGES, load_fpdf, read_notes, write_pdf
+            load_fpdf()  # before any work: without fpdf2, one line saying how to install it
         runs = [read_run(path) for path in args.logs]
+        if args.pdf:
+            notes = read_notes(args.notes, [key for key, _, _ in optimisations(main_run(runs))])
         report, figures, skipped = write_report(runs, args.out, figures=not args.no_figures)
+        print(f"wrote {report}" + (f" and {len(figures)} figure(s)" if figures else "")
+              + (f" (figures skipped: {skipped})" if skipped else ""))
+        if args.pdf:
+            shown = {"accuracy": report.parent / "accuracy_vs_time.png",
+                     "topology": report.parent / topology_name(main_run(runs).config)}
+            pages = write_pdf(runs, args.pdf, {k: v for k, v in shown.items() if v in figures}, skipped, notes)
+            print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + (
+                f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES
+                else ""))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {report}" + (f" and {len(figures)} figure(s)" if figures else "")
-          + (f" (figures skipped: {skipped})" if skipped else ""))
     return 0
 
 

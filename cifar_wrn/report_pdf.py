@@ -1,0 +1,271 @@
+"""The course's R3 report as a PDF of at most 4 pages (`python -m cifar_wrn.report ... --pdf report.pdf`).
+
+In R3's order: the DDP steps (where each `# R1.<n>` tag sits in raw_ddp.py, and why), the two-process
+run's epoch log exactly as rank 0 printed it, the Cumulative Time at which the criterion was met, the 1 vs N
+process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-against-time figure and the
+topology diagram, and the recipe's differences from the course baseline as the optimisations table.
+What only the student can write (why each optimisation helps, its before/after) is left as marked room,
+never filled in. Everything else comes from the logs and the code (cifar_wrn/report.py).
+
+fpdf2 (the optional extra `pdf`) draws it: pure Python, one small package (plus its fontTools and
+defusedxml), tables and PNGs built in, and the PDF's text stays extractable, so the tests read it back.
+"""
+from pathlib import Path
+
+from . import report
+from .errors import UserError
+
+MAX_PAGES = 4                         # the course's limit
+INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"
+YOU_WRITE = "[you write]"
+GREY, RED, DARK = (110, 110, 110), (170, 40, 40), (30, 30, 30)
+# The PDF's core fonts (no font files to embed: a small PDF) cover Latin-1; the few other characters the
+# report uses are spelled out.
+PLAIN = str.maketrans({"–": "-", "—": "-", "−": "-", "≥": ">=", "≤": "<=", "×": "x", "→": "->", "⇒": "=>",
+                       "…": "...", "’": "'", "“": '"', "”": '"'})
+
+
+def latin1(text) -> str:
+    return str(text).translate(PLAIN).encode("latin-1", "replace").decode("latin-1")
+
+
+def load_fpdf():
+    """The FPDF class, or a UserError saying how to install it."""
+    try:
+        from fpdf import FPDF
+    except ImportError:
+        raise UserError(f"--pdf needs the fpdf2 package, which is not installed: {INSTALL_HINT}") from None
+    return FPDF
+
+
+class Layout:
+    """Sizes in mm and points; `compact` shrinks them when the normal ones need more than MAX_PAGES."""
+
+    def __init__(self, compact: bool):
+        self.body = 8.5 if compact else 9.0         # body text, points
+        self.table = 7.0 if compact else 7.5        # table text, points
+        self.line = 3.6 if compact else 4.0         # a line of text, mm
+        self.accuracy_w = 96 if compact else 104    # accuracy figure width, mm
+        self.topology_w = 66 if compact else 74     # topology figure width, mm
+
+
+def _document(FPDF, sources: str):
+    class Report(FPDF):
+        def footer(self):
+            self.set_y(-10)
+            self.set_font("Helvetica", "", 7)
+            self.set_text_color(*GREY)
+            self.cell(0, 4, latin1(f"python -m cifar_wrn.report {sources}  |  page {self.page_no()} of "
+                                   "{nb}"), align="C")
+
+    pdf = Report(format="A4", unit="mm")
+    pdf.set_margins(14, 12, 14)
+    pdf.set_auto_page_break(True, margin=14)
+    pdf.set_title("Course report: distributed data-parallel training of a WideResNet on CIFAR-10")
+    pdf.set_creator("python -m cifar_wrn.report (cifar-wrn-ddp)")
+    pdf.add_page()
+    return pdf
+
+
+def _heading(pdf, text: str) -> None:
+    if pdf.get_y() > pdf.h - 40:                # never a heading alone at the foot of a page
+        pdf.add_page()
+    pdf.ln(2)
+    pdf.set_font("Helvetica", "B", 11.5)
+    pdf.set_text_color(*DARK)
+    pdf.multi_cell(0, 6, latin1(text), new_x="LMARGIN", new_y="NEXT")
+    pdf.ln(0.5)
+
+
+def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -> None:
+    pdf.set_font("Helvetica", style, size or lay.body)
+    pdf.set_text_color(*color)
+    pdf.multi_cell(0, lay.line, latin1(text), new_x="LMARGIN", new_y="NEXT")
+
+
+def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: float | None = None) -> None:
+    """A table with `head` as headings; a cell that is YOU_WRITE is the student's, marked as such."""
+    from fpdf.fonts import FontFace
+    size = size or lay.table
+    pdf.set_font("Helvetica", "", size)
+    pdf.set_text_color(*DARK)
+    mine = FontFace(emphasis="ITALICS", color=RED)
+    with pdf.table(col_widths=widths, text_align="LEFT", line_height=size * 0.47, padding=0.8,
+                   headings_style=FontFace(emphasis="BOLD", fill_color=(228, 234, 242))) as table:
+        row = table.row()
+        for cell in head:
+            row.cell(latin1(cell))
+        for cells in rows:
+            row = table.row()
+            for cell in cells:
+                row.cell(latin1(cell), style=mine if cell == YOU_WRITE else None)
+    pdf.ln(1.5)
+
+
+def _printed_log(pdf, lay: Layout, run: report.Run) -> None:
+    """The epoch lines as printed, in a monospace font sized so the longest fits on one line; where the run
+    was resumed, a marked note (not part of the printed output) between them."""
+    lines = report.printed_lines(run)
+    longest = max((len(line) for line in lines), default=1)
+    size = min(8.0, pdf.epw / (0.6 * longest) * 72 / 25.4)   # Courier: every character is 0.6 em wide
+    resumes = list(run.resumes)
+    for i, line in enumerate(lines):
+        epoch = run.epochs[i] if i < len(run.epochs) else None
+        while resumes and (epoch is None or resumes[0].line < epoch["log_line"]):
+            _resume_note(pdf, lay, resumes.pop(0))
+        pdf.set_font("Courier", "", size)
+        pdf.set_text_color(*DARK)
+        pdf.set_fill_color(244, 244, 244)
+        pdf.cell(0, size * 0.45, latin1(line), new_x="LMARGIN", new_y="NEXT", fill=True)
+    for segment in resumes:
+        _resume_note(pdf, lay, segment)
+    if not lines:
+        _text(pdf, lay, "(no epoch finished: the log holds no epoch record)", "I", GREY)
+
+
+def _resume_note(pdf, lay: Layout, segment: report.Segment) -> None:
+    pdf.set_font("Helvetica", "I", lay.table)
+    pdf.set_text_color(*GREY)
+    pdf.cell(0, lay.table * 0.47, latin1(f"    [not printed by the run: stopped here, resumed at {segment.where()} "
+                                          f"(log line {segment.line}); the resumed process printed its "
+                                          f"'Resuming from ...' line here]"), new_x="LMARGIN", new_y="NEXT")
+
+
+def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, skipped: str | None) -> None:
+    """The accuracy figure and the topology diagram side by side, on a new page if they do not fit."""
+    if skipped or not (accuracy or topology):
+        _text(pdf, lay, f"Figures skipped: {skipped or 'no epoch records'}.", "I", RED)
+        return
+    from PIL import Image  # matplotlib, which drew them, depends on Pillow
+    sized = []
+    for path, width in ((accuracy, lay.accuracy_w), (topology, lay.topology_w)):
+        if path:
+            with Image.open(path) as image:
+                sized.append((path, width, width * image.height / image.width))
+    height = max(h for _, _, h in sized)
+    if pdf.get_y() + height > pdf.page_break_trigger:
+        pdf.add_page()
+    x, y = pdf.l_margin, pdf.get_y()
+    for path, width, h in sized:
+        pdf.image(str(path), x=x, y=y + (height - h) / 2, w=width)
+        x += width + 4
+    pdf.set_y(y + height + 2)
+
+
+def read_notes(path, keys: list[str]) -> dict[str, tuple[str, str]]:
+    """The student's own words for the optimisations table, from a YAML file of
+        batch_size:
+          why: ...
+          before_after: ...
+    (only keys of the table; either entry may be left out and stays YOU_WRITE)."""
+    import yaml
+    if path is None:
+        return {}
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"--notes {path}: cannot be read as YAML ({getattr(exc, 'strerror', None) or exc})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--notes {path}: expected recipe keys, each with why: and before_after:")
+    notes = {}
+    for key, entry in raw.items():
+        if key not in keys:
+            raise UserError(f"--notes {path}: {key!r} is not a key of the optimisations table "
+                            f"({', '.join(keys) or 'which is empty'})")
+        if not isinstance(entry, dict) or not set(entry) <= {"why", "before_after"} \
+                or not all(isinstance(v, str) and v.strip() for v in entry.values()):
+            raise UserError(f"--notes {path}: {key}: expected why: TEXT and/or before_after: TEXT")
+        notes[key] = (entry.get("why", YOU_WRITE).strip(), entry.get("before_after", YOU_WRITE).strip())
+    return notes
+
+
+def _plain(markdown: str) -> str:
+    return markdown.replace("**", "").replace("`", "")
+
+
+def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: bool, sources: str,
+          notes: dict):
+    """The whole document (an FPDF object, not yet written)."""
+    FPDF = load_fpdf()
+    lay = Layout(compact)
+    pdf = _document(FPDF, sources)
+    run = report.main_run(runs)
+    cuda = run.header["device"] == "cuda"
+    who = "two-GPU" if run.world_size == 2 and cuda else f"{run.world_size}-process ({run.header['device']})"
+
+    pdf.set_font("Helvetica", "B", 14)
+    pdf.set_text_color(*DARK)
+    pdf.multi_cell(0, 7, "Distributed data-parallel training of a WideResNet on CIFAR-10: report",
+                   new_x="LMARGIN", new_y="NEXT")
+    _text(pdf, lay, "From the run logs " + ", ".join(f"{r.label} ({r.path})" for r in runs)
+          + f". The run shown in sections 2 and 4: {run.label}.", color=GREY)
+    _text(pdf, lay, f"Text marked {YOU_WRITE} (in red) is yours to write: this report never invents it.", "I", RED)
+
+    from .runlog import git_commit
+    steps = report.ddp_steps()
+    _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
+    _text(pdf, lay, f"Line numbers of the raw_ddp.py this report ships with (commit "
+                    f"{report.short_commit(git_commit())}; the run's log names commit "
+                    f"{report.short_commit(run.header.get('git_commit', 'not logged'))}). Each process is pinned "
+                    f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.")
+    pdf.ln(1)
+    rows = [[step, report.where_text("raw_ddp.py", lines), why] for step, lines, why in steps]
+    pdf.set_font("Helvetica", "", lay.table)
+    where = max([pdf.get_string_width(row[1]) + 3 for row in rows] + [20])  # one line each: no break in a number
+    _table(pdf, lay, ["step", "where", "why"], rows, (11, where, pdf.epw - 11 - where))
+
+    _heading(pdf, f"2. The {who} run's epoch log, as printed by rank 0")
+    per_node = "GPU(s)" if cuda else "CPU process(es)"
+    _text(pdf, lay, f"{run.label}: {run.num_nodes} node(s) x {run.num_gpus} {per_node} per node = world size "
+                    f"{run.world_size}, {run.header['backend']} on {run.header['device']}; log {run.path}."
+                    + (f" Resumed {report.resume_text(run)}." if run.resumes else ""))
+    for note in run.notes:
+        _text(pdf, lay, f"Note: {note}.", "I")
+    pdf.ln(1)
+    _printed_log(pdf, lay, run)
+    pdf.ln(1.5)
+    _text(pdf, lay, report.criterion_text(run), "B", size=lay.body + 0.5)
+
+    sc = report.scaling(runs)
+    _heading(pdf, "3. One process against N: speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law")
+    head, rows = report.scaling_table(sc)
+    widths = (23, 14, 13, 19, 15, 14) + ((17, 16, 15, 12, 12, 12) if sc.basis else ())
+    _table(pdf, lay, head, rows, widths, size=lay.table - 0.7)
+    for line in report.scaling_section(sc, runs):
+        if line.startswith("- "):
+            _text(pdf, lay, "- " + _plain(line[2:]), size=lay.table + 0.5)
+    pdf.ln(1.5)
+    _figures(pdf, lay, figures.get("accuracy"), figures.get("topology"), skipped)
+
+    _heading(pdf, "4. Optimisations: the recipe against the course baseline")
+    _text(pdf, lay, f"The recipe keys where {run.label}'s recipe (its log header) differs from recipes/baseline.yaml, "
+                    f"the course's defaults. Why each is there, and its effect measured before/after (time to the "
+                    f"criterion, accuracy, images/sec without and with it), are {YOU_WRITE}: in a YAML file given "
+                    f"with --notes (key: why: ..., before_after: ...); docs/optimizations.md and "
+                    f"docs/benchmarks.md hold this project's measurements to cite.")
+    pdf.ln(1)
+    changes = report.optimisations(run)
+    if changes:
+        _table(pdf, lay, ["recipe key", "baseline", "used", f"why {YOU_WRITE}", f"before -> after {YOU_WRITE}"],
+               [[key, base, used, *notes.get(key, (YOU_WRITE, YOU_WRITE))] for key, base, used in changes],
+               (32, 22, 22, 53, 53))
+    else:
+        _text(pdf, lay, "None: the run used the baseline recipe.", "I")
+    return pdf
+
+
+def write_pdf(runs: list[report.Run], path, figures: dict, skipped: str | None, notes: dict | None = None) -> int:
+    """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
+    the normal need more than MAX_PAGES (many runs, many recipe changes)."""
+    path = Path(path)
+    sources = " ".join(str(r.path) for r in runs)
+    for compact in (False, True):
+        pdf = build(runs, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
+                    notes or {})
+        if pdf.pages_count <= MAX_PAGES:
+            break
+    try:
+        pdf.output(str(path))
+    except OSError as exc:
+        raise UserError(f"--pdf {path}: cannot write ({exc.strerror or exc})") from None
+    return pdf.pages_count
