@@ -163,8 +163,13 @@ def read_notes(path, keys: list[str]) -> dict[str, tuple[str, str]]:
         return {}
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"--notes {path}: cannot be read as YAML ({getattr(exc, 'strerror', None) or exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--notes {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    except yaml.YAMLError as exc:  # its message spans lines: keep where and what
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"--notes {path}: cannot be read as YAML{where} ({getattr(exc, 'problem', None) or 'not YAML'})"
+                        ) from None
     if not isinstance(raw, dict):
         raise UserError(f"--notes {path}: expected recipe keys, each with why: and before_after:")
     notes = {}
@@ -262,10 +267,10 @@ def write_pdf(runs: list[report.Run], path, figures: dict, skipped: str | None, 
     for compact in (False, True):
         pdf = build(runs, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
                     notes or {})
-        if pdf.pages_count <= MAX_PAGES:
+        if pdf.page_no() <= MAX_PAGES:
             break
     try:
         pdf.output(str(path))
     except OSError as exc:
         raise UserError(f"--pdf {path}: cannot write ({exc.strerror or exc})") from None
-    return pdf.pages_count
+    return pdf.page_no()

@@ -1,6 +1,7 @@
 """cifar_wrn/report.py: the scaling arithmetic against hand-computed values, report.md, figures, and the
 report without matplotlib; bad input files end in one clear line and exit status 2."""
 import json
+import re
 import subprocess
 import sys
 
@@ -298,3 +299,254 @@ def test_report_reads_what_raw_ddp_writes(cifar_dir, tmp_path):
     text = path.read_text()
     assert f"| {run.epochs[0]['cumulative_time']:.3f} |" in text and "1/1, stop" in text
     assert "| backend | gloo |" in text and "| model width | 4 |" in text
+
+
+# ----------------------------------------------------------------------------- resumed runs: one run per log
+
+RUNS = REPO / "docs" / "runs"
+
+
+def resumed_log(path, headers_before: dict, edits: dict | None = None):
+    """A 1 x 2 run of ONE's epochs whose log has a header before epoch record i for each i in headers_before
+    (i = 0: the start); a resume's header carries resumed_at = headers_before[i], as the trainers write it.
+    edits: header entries to change in the header before record i ({i: {key: value}}), to make it another run."""
+    lines = write_log(path, 1, 2, ONE, model_width=160, train_images=50000, val_images=10000,
+                      resumed_at=None).read_text().splitlines()
+    header, records = json.loads(lines[0]), lines[1:]
+    out = []
+    for i, record in enumerate(records + [None]):
+        if i in headers_before:
+            h = dict(header, resumed_at=headers_before[i], **(edits or {}).get(i, {}))
+            h["recipe"] = dict(header["recipe"], **h.pop("recipe_edits", {}))
+            out.append(json.dumps(h))
+        if record:
+            out.append(record)
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_a_run_resumed_twice_is_one_run_with_continuing_cumulative_time(tmp_path):
+    # stopped in epoch 2 at step 40, then again at the end of epoch 3 (resumed at epoch 4, step 0)
+    path = resumed_log(tmp_path / "resumed.jsonl", {0: None, 1: {"epoch": 2, "step": 40}, 3: {"epoch": 4, "step": 0}})
+    assert path.read_text().count('"kind": "header"') == 3
+    run = report.read_run(path)
+    assert [s.line for s in run.segments] == [1, 3, 6] and [s.line for s in run.resumes] == [3, 6]
+    assert [e["epoch"] for e in run.epochs] == [1, 2, 3, 4]
+    assert [e["cumulative_time"] for e in run.epochs] == [100.0, 200.0, 300.0, 400.0]
+    assert report.time_to_target(run.epochs, run.target, run.patience) == 300.0 and run.notes == []
+    out, _, _ = report.write_report([run], tmp_path / "out", figures=False)
+    text = out.read_text()
+    assert "| resumed | 2 times: at epoch 2 step 40 (line 3, commit abc1234); at epoch 4 step 0 (line 6, commit " \
+           "abc1234); Cumulative Time continues across the resumes" in text
+    assert "| 3 | 300.000 | 100.000 | 490.0 | 1.1300 | 0.8700 | 2/2, stop |" in text
+    assert "| 4 | 400.000 |" in text
+
+
+def test_a_resume_from_an_older_checkpoint_replaces_the_epochs_trained_again(tmp_path):
+    """Epochs 1-3 logged, then a resume at epoch 3 (its checkpoint was older): the later epoch 3 counts."""
+    path = resumed_log(tmp_path / "again.jsonl", {0: None})
+    lines = path.read_text().splitlines()
+    again = json.loads(lines[3])
+    again.update(val_accuracy=0.80, val_loss=1.2)  # the retrained epoch 3 is worse: the streak restarts
+    header = dict(json.loads(lines[0]), resumed_at={"epoch": 3, "step": 0})
+    path.write_text("\n".join(lines[:4] + [json.dumps(header), json.dumps(again)]) + "\n")
+    run = report.read_run(path)
+    assert [(e["epoch"], e["val_accuracy"]) for e in run.epochs] == [(1, 0.5), (2, 0.86), (3, 0.80)]
+    assert run.notes and "line 5 resumes at epoch 3 step 0, before epoch(s) 3 already logged" in run.notes[0]
+    assert report.time_to_target(run.epochs, run.target, run.patience) is None
+
+
+@pytest.mark.parametrize("what, headers, edits, message", [
+    ("a new run appended", {0: None, 2: None}, None,
+     "line 4: a second header without resumed_at: a new run starts here, not a resume of the run of line 1"),
+    ("other processes", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"world_size": 4, "num_nodes": 2}},
+     "line 4: this header is not a resume of the run of line 1 (the checkpoint was written by 2 processes, "
+     "this run has 4"),
+    ("another recipe", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"recipe_edits": {"batch_size": 64}}},
+     "line 4: this header is not a resume of the run of line 1 (the recipe differs from the checkpoint's in "
+     "batch_size (32 -> 64))"),
+    ("other data", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"train_images": 10240}},
+     "line 4: this header is not a resume of the run of line 1 (the checkpoint's run had train images = 50000, "
+     "this run has 10240"),
+])
+def test_two_different_runs_in_one_file_are_refused_naming_the_line(tmp_path, what, headers, edits, message):
+    path = resumed_log(tmp_path / "two.jsonl", headers, edits)
+    with pytest.raises(report.LogError) as refused:
+        report.read_run(path)
+    assert str(refused.value).startswith(f"{path}, ") and message in str(refused.value), what
+    assert str(refused.value).endswith("; one run per file"), what
+
+
+def test_two_runs_in_one_file_end_in_one_error_line(tmp_path):
+    path = resumed_log(tmp_path / "two.jsonl", {0: None, 2: {"epoch": 3, "step": 0}},
+                       {2: {"recipe_edits": {"base_lr": 0.1}}})
+    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == (f"error: {path}, line 4: this header is not a resume of the run of line 1 (the recipe "
+                             f"differs from the checkpoint's in base_lr (0.01 -> 0.1)); one run per file\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_epochs_going_back_without_a_resume_are_refused(tmp_path):
+    path = write_log(tmp_path / "x.jsonl", 1, 1, ONE)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + lines[1:3]) + "\n")  # epochs 1-4, then 1 and 2 again with no header
+    with pytest.raises(report.LogError, match=r"line 6: epoch 1 after epoch 4 with no resume between them"):
+        report.read_run(path)
+
+
+def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_header(tmp_path):
+    """What the trainers accept as a resume is one run: patience may change (RESUMABLE_CHANGES), and a
+    recipe key the first header lacks had its default then (fast6noaug.jsonl: crop_padding, bn_lr_scale)."""
+    path = resumed_log(tmp_path / "r.jsonl", {0: None, 2: {"epoch": 3, "step": 0}},
+                       {2: {"recipe_edits": {"patience": 1, "crop_padding": 4}}})
+    run = report.read_run(path)
+    assert run.patience == 1 and len(run.epochs) == 4  # the rule the run ended with
+    assert report.time_to_target(run.epochs, run.target, run.patience) == 200.0
+
+
+def test_the_committed_resumed_logs_are_each_one_run():
+    """The project's own proof runs, resumed once or twice on a CPU machine (docs/runs/README.md)."""
+    resumes = {"fast8": ["epoch 3 step 60"], "fast7": ["epoch 4 step 10", "epoch 4 step 180"],
+               "fast6noaug": ["epoch 4 step 30"], "fast4": ["epoch 1 step 97", "epoch 3 step 10"],
+               "fast4b128": ["epoch 1 step 90"]}
+    for name, where in resumes.items():
+        run = report.read_run(RUNS / f"{name}.jsonl")
+        assert [s.where() for s in run.resumes] == where, name
+        assert [e["epoch"] for e in run.epochs] == [1, 2, 3, 4] and not run.notes, name
+        times = [e["cumulative_time"] for e in run.epochs]
+        assert times == sorted(times) and times[-1] > 7000, name
+
+
+def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path,
+                             "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "report.md").read_text()
+    for row in ("| 1 | 1844.956 | 1844.956 | 27.1 | 0.8511 | 0.7540 |  |",
+                "| 2 | 3726.691 | 1881.734 | 26.5 | 0.6629 | 0.8231 |  |",
+                "| 3 | 5629.463 | 1902.772 | 26.2 | 0.5846 | 0.8503 | 1/2 |",
+                "| 4 | 7560.028 | 1930.565 | 25.9 | 0.5483 | 0.8656 | 2/2, stop |"):
+        assert row in text, row
+    assert "| fast8 | 2 | 1 x 2 | 7560.028 |" in text  # the scaling table's Cumulative Time to target
+    assert "| resumed | once: at epoch 3 step 60 (line 4, started 2026-12-01T06:27:38+0000, commit f01bc54)" in text
+    run = report.read_run(RUNS / "fast8.jsonl")
+    assert round(report.time_to_target(run.epochs, run.target, run.patience), 1) == 7560.0
+
+
+# ----------------------------------------------------------------------------- the course's PDF (R3)
+
+def r1_tags(source) -> dict[str, list[int]]:
+    """The lines of each `# R1.<n>` step, read here independently of cifar_wrn/report.py: every R1.<n> in
+    the comment that starts at a '# R1.' on the line."""
+    tags = {}
+    for number, line in enumerate(source.read_text().splitlines(), 1):
+        if "# R1." in line:
+            for n in re.findall(r"R1\.(\d+)", line[line.index("# R1."):]):
+                tags.setdefault(f"R1.{n}", []).append(number)
+    return tags
+
+
+def test_ddp_steps_are_read_from_the_tags(tmp_path):
+    source = tmp_path / "code.py"
+    source.write_text("import x\ndef f():  # R1.1\n    y = 1  # R1.10: one\n    # R1.2, R1.3 and R1.1 here\n"
+                      '    s = "# R1.<n>"\n')
+    steps = report.ddp_steps(source)
+    assert [(step, lines) for step, lines, _ in steps] == [("R1.1", [2, 4]), ("R1.2", [4]), ("R1.3", [4]),
+                                                           ("R1.10", [3])]
+    assert report.where_text("raw_ddp.py", [2, 4]) == "raw_ddp.py:2,4"
+    shipped = report.ddp_steps()
+    assert {step: lines for step, lines, _ in shipped} == r1_tags(REPO / "raw_ddp.py")
+    assert [step for step, _, why in shipped if why not in report.STEP_WHY.values()] == []  # a why for every tag
+    assert len(shipped) == 11
+
+
+def pdf_text(path) -> tuple[int, str, int]:
+    """(pages, text, images) of a PDF, read back with pypdf."""
+    pypdf = pytest.importorskip("pypdf")
+    reader = pypdf.PdfReader(path)
+    images = 0
+    for page in reader.pages:
+        xobjects = page["/Resources"].get("/XObject")
+        images += sum(1 for x in (xobjects or {}).values() if x.get_object()["/Subtype"] == "/Image")
+    return len(reader.pages), "\n".join(page.extract_text() for page in reader.pages), images
+
+
+def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
+    pytest.importorskip("fpdf")        # the `pdf` extra; CI installs it with the test extra
+    pytest.importorskip("matplotlib")
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("bn_recalibration:\n  why: my own words on recalibration\n")
+    pdf = tmp_path / "report.pdf"
+    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl",
+                             "--out", tmp_path / "out", "--pdf", pdf, "--notes", notes], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    pages, text, images = pdf_text(pdf)
+    assert f"wrote {pdf} ({pages} pages)" in result.stdout
+    assert pages <= 4 and images >= 2  # the accuracy figure and the topology diagram
+    # 2: the epoch log exactly as printed (the trainers' lines), then the Cumulative Time at the criterion
+    printed = ["Epoch =  1: Cumulative Time = 1844.956, Epoch Time = 1844.956, Images/sec = 27.1, Validation Loss = "
+               "0.851, Validation Accuracy = 0.754",
+               "Epoch =  4: Cumulative Time = 7560.028, Epoch Time = 1930.565, Images/sec = 25.9, Validation Loss = "
+               "0.548, Validation Accuracy = 0.866",
+               "Early stopping after epoch 4"]
+    lines = text.splitlines()
+    for line in printed:
+        assert line in lines, line
+    assert lines.index(printed[0]) < lines.index(printed[1]) < lines.index(printed[2])
+    assert "resumed at epoch 3 step 60 (log line 4)" in text
+    flat = " ".join(text.split())
+    assert "Cumulative Time at the criterion: 7560.028 s, after epoch 4" in flat
+    # 3: the scaling table (by images/sec: the 1-process run did not meet the criterion) and its warning
+    assert "h200-fast 1 1 x 1 not reached 10956.8 0.8629 1.000 1.000" in flat
+    assert "fast8 2 1 x 2 7560.028 26.4 0.8656 0.002 0.001 828.4354" in flat
+    assert "Karp-Flatt" in flat and "Amdahl" in flat and "Warning: the runs differ in recipe" in flat
+    # 1: each step's file:line as tagged in the shipped raw_ddp.py
+    tags = r1_tags(REPO / "raw_ddp.py")
+    for step, numbers in tags.items():
+        assert f"{step} raw_ddp.py:{','.join(map(str, numbers))} " in flat, step
+    # 4: the optimisations: key, baseline, used; the student's text marked, or theirs from --notes
+    assert "bn_recalibration 0 5000 my own words on recalibration [you write]" in flat
+    assert "lr_schedule constant warmup_linear [you write] [you write]" in flat
+    assert flat.count("[you write]") == 2 * 21 - 1 + 4  # 21 changed keys; the headings and the intro say it too
+
+
+def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
+    code = ("import sys; sys.modules['fpdf'] = None; from cifar_wrn.report import main; "
+            f"sys.exit(main([{str(logs['one'])!r}, '--out', {str(tmp_path / 'out')!r}, '--pdf', 'r.pdf']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == ("error: --pdf needs the fpdf2 package, which is not installed: pip install fpdf2, or "
+                             "pip install -e '.[pdf]'\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("bogus:\n  why: x\n", "'bogus' is not a key of the optimisations table (epochs, batch_size)"),
+    ("batch_size:\n  because: x\n", "batch_size: expected why: TEXT and/or before_after: TEXT"),
+    ("batch_size:\n  why: ''\n", "batch_size: expected why: TEXT and/or before_after: TEXT"),
+    ("- a list\n", "expected recipe keys, each with why: and before_after:"),
+    ("a: [\n", "cannot be read as YAML at line 2 ("),  # PyYAML's own words follow
+])
+def test_bad_notes_are_refused(tmp_path, content, message):
+    from cifar_wrn.report_pdf import read_notes
+    notes = tmp_path / "notes.yaml"
+    notes.write_text(content)
+    with pytest.raises(report.UserError) as refused:
+        read_notes(notes, ["epochs", "batch_size"])
+    assert str(refused.value).startswith(f"--notes {notes}: ") and message in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert read_notes(None, ["epochs"]) == {}
+
+
+def test_bad_notes_are_refused_before_any_output(tmp_path):
+    pytest.importorskip("fpdf")
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("bogus:\n  why: x\n")
+    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path / "out",
+                             "--pdf", tmp_path / "r.pdf", "--notes", notes], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: 'bogus' is not a key")
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
