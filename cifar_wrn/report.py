@@ -877,6 +877,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
     p.add_argument("--pdf", metavar="FILE", help="also write the course's R3 report, at most 4 pages, to FILE (needs "
                                                  "fpdf2, the extra `pdf`; the figures need matplotlib)")
+    p.add_argument("--caption", metavar="TEXT", help="with --pdf: a line under the title (what the runs are, where "
+                                                     "they ran)")
     p.add_argument("--notes", metavar="NOTES.yaml", help="with --pdf: your own why and before/after for the "
                                                          "optimisations table (recipe key: {why: ..., before_after: ...})")
     return p.parse_args(argv)
@@ -885,8 +887,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.notes and not args.pdf:
-            raise UserError("--notes fills in the PDF's optimisations table: give --pdf FILE too")
+        if (args.notes or args.caption) and not args.pdf:
+            raise UserError(f"{'--notes' if args.notes else '--caption'} is for the PDF: give --pdf FILE too")
         if args.pdf:
             from .report_pdf import MAX_PAGES, load_fpdf, read_notes, write_pdf
             load_fpdf()  # before any work: without fpdf2, one line saying how to install it
@@ -899,7 +901,8 @@ def main(argv=None) -> int:
         if args.pdf:
             shown = {"accuracy": report.parent / "accuracy_vs_time.png",
                      "topology": report.parent / topology_name(main_run(runs).config)}
-            pages = write_pdf(runs, args.pdf, {k: v for k, v in shown.items() if v in figures}, skipped, notes)
+            pages = write_pdf(runs, args.pdf, {k: v for k, v in shown.items() if v in figures}, skipped, notes,
+                              args.caption)
             print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + (
                 f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES
                 else ""))

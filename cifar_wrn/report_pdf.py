@@ -189,7 +189,7 @@ def _plain(markdown: str) -> str:
 
 
 def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: bool, sources: str,
-          notes: dict):
+          notes: dict, caption: str | None = None):
     """The whole document (an FPDF object, not yet written)."""
     FPDF = load_fpdf()
     lay = Layout(compact)
@@ -204,6 +204,8 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
                    new_x="LMARGIN", new_y="NEXT")
     _text(pdf, lay, "From the run logs " + ", ".join(f"{r.label} ({r.path})" for r in runs)
           + f". The run shown in sections 2 and 4: {run.label}.", color=GREY)
+    if caption:
+        _text(pdf, lay, caption, "B")
     _text(pdf, lay, f"Text marked {YOU_WRITE} (in red) is yours to write: this report never invents it.", "I", RED)
 
     from .runlog import git_commit
@@ -259,14 +261,15 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
     return pdf
 
 
-def write_pdf(runs: list[report.Run], path, figures: dict, skipped: str | None, notes: dict | None = None) -> int:
+def write_pdf(runs: list[report.Run], path, figures: dict, skipped: str | None, notes: dict | None = None,
+              caption: str | None = None) -> int:
     """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
     the normal need more than MAX_PAGES (many runs, many recipe changes)."""
     path = Path(path)
     sources = " ".join(str(r.path) for r in runs)
     for compact in (False, True):
         pdf = build(runs, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
-                    notes or {})
+                    notes or {}, caption)
         if pdf.page_no() <= MAX_PAGES:
             break
     try:
