@@ -12,10 +12,16 @@ epoch) and writes `DIR/report.md` with PNG figures next to it:
 - figures (matplotlib, the optional extra `plot`): validation accuracy against Cumulative Time,
   images/sec per epoch, the time profile per run (when the epoch records carry a "profile"), and a
   process-topology diagram per configuration. Without matplotlib the tables are still written and
-  report.md says that the figures were skipped.
+  report.md says that the figures were skipped;
+- with `--pdf FILE`, the course's R3 report in at most 4 pages (cifar_wrn/report_pdf.py, fpdf2).
+
+A log is one run, however often it was resumed: each `--auto-resume` appends a header with `resumed_at`,
+and the headers that a trainer would have resumed as one run are read as its segments (epochs in order,
+Cumulative Time continuing). Anything else in one file (another run's header) is refused, naming the line.
 
 The arithmetic is in small functions (time_to_target, speedup_by_time, karp_flatt, amdahl_speedup, ...)
-that do not need matplotlib, torch or a log file.
+that do not need matplotlib, torch or a log file. Comparing recipes (resumes, differences, the
+optimisations table) fills in the defaults of cifar_wrn/recipe.py, which imports torch.
 """
 import argparse
 import json
@@ -216,13 +222,11 @@ def other_run(first: dict, later: dict) -> str | None:
     trainers' own rule for a resume (cifar_wrn/checkpoint.py resume_problem: the same world size, model,
     data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
     trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
-    from .checkpoint import resume_problem  # torch: only for logs with more than one header
-    from .recipe import Recipe, as_dict
-    defaults = as_dict(Recipe())
+    from .checkpoint import resume_problem
     data = ("train_images", "val_images", "steps_per_epoch")
     started = {"world_size": first["world_size"], "model_width": first.get("model_width"),
-               "recipe": {**defaults, **first["recipe"]}, **{k: first[k] for k in data if k in first}}
-    return resume_problem(started, {**defaults, **later["recipe"]}, later["world_size"], later.get("model_width"),
+               "recipe": full_recipe(first["recipe"]), **{k: first[k] for k in data if k in first}}
+    return resume_problem(started, full_recipe(later["recipe"]), later["world_size"], later.get("model_width"),
                           {k: later[k] for k in data if k in later and k in first})
 
 
@@ -344,11 +348,19 @@ def _safe_amdahl(e: float, n: int) -> float | None:
     return 1 / denominator if denominator > 0 else None
 
 
+def full_recipe(recipe: dict) -> dict:
+    """A header's recipe with the keys it lacks at their defaults: a key newer than the trainer that wrote
+    the log had its default then (new recipe keys default to the old behaviour)."""
+    from .recipe import Recipe, as_dict  # torch, a dependency of the project anyway
+    return {**as_dict(Recipe()), **recipe}
+
+
 def differences(runs: list[Run]) -> list[str]:
     """Header entries (COMPARABLE) that are not the same in every run."""
     out = []
     for key in COMPARABLE:
-        values = [r.header.get(key) for r in runs]
+        values = [full_recipe(r.header[key]) if key == "recipe" and isinstance(r.header.get(key), dict)
+                  else r.header.get(key) for r in runs]
         if all(v == values[0] for v in values):
             continue
         if key == "recipe" and all(isinstance(v, dict) for v in values):
@@ -629,9 +641,9 @@ def criterion_text(run: Run) -> str:
 def optimisations(run: Run) -> list[tuple[str, str, str]]:
     """(recipe key, baseline value, value used) for each key where the run's recipe differs from
     recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
-    from .recipe import Recipe, as_dict, load_recipe
+    from .recipe import as_dict, load_recipe
     baseline = as_dict(load_recipe("baseline"))
-    used = {**as_dict(Recipe()), **run.recipe}
+    used = full_recipe(run.recipe)
     show = lambda value: value if isinstance(value, str) else json.dumps(value)  # true/false as in YAML
     return [(key, show(baseline[key]) if key in baseline else "(not a key of this code)", show(used[key]))
             for key in used if baseline.get(key, object()) != used[key]]

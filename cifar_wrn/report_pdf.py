@@ -7,8 +7,9 @@ topology diagram, and the recipe's differences from the course baseline as the o
 What only the student can write (why each optimisation helps, its before/after) is left as marked room,
 never filled in. Everything else comes from the logs and the code (cifar_wrn/report.py).
 
-fpdf2 (the optional extra `pdf`) draws it: pure Python, one small package (plus its fontTools and
-defusedxml), tables and PNGs built in, and the PDF's text stays extractable, so the tests read it back.
+fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
+fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
+(a small PDF), and the PDF's text stays extractable, so the tests read it back (pypdf).
 """
 from pathlib import Path
 
