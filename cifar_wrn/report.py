@@ -271,6 +271,9 @@ def read_run(path) -> Run:
             bad = [k for k in EPOCH_FIELDS if not _is_number(record.get(k))]
             if bad:
                 raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
+            if not isinstance(record["epoch"], int) or record["epoch"] < 1:
+                raise LogError(f"{where}: the epoch record's epoch must be a whole number >= 1 (got "
+                               f"{record['epoch']!r})")
             if epochs and record["epoch"] <= max(epochs):
                 raise LogError(f"{where}: epoch {record['epoch']} after epoch {max(epochs)} with no resume "
                                f"between them (two runs appended to one file?); one run per file")
@@ -604,8 +607,8 @@ def where_text(name: str, numbers: list[int]) -> str:
 
 
 def main_run(runs: list[Run]) -> Run:
-    """The run whose epoch log the course asks for: a 2-process one (the criterion met first), else the one
-    with the most processes; the first given among equals."""
+    """The run whose epoch log the course asks for: a 2-process one (one that met the criterion, if any),
+    else the one with the most processes; the first given among equals."""
     def rank(r):
         met = time_to_target(r.epochs, r.target, r.patience) is not None
         return (r.world_size == 2, r.world_size if r.world_size != 2 else 0, met)

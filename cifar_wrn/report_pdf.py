@@ -120,8 +120,9 @@ def _printed_log(pdf, lay: Layout, run: report.Run) -> None:
         pdf.cell(0, size * 0.45, latin1(line), new_x="LMARGIN", new_y="NEXT", fill=True)
     for segment in resumes:
         _resume_note(pdf, lay, segment)
-    if not lines:
-        _text(pdf, lay, "(no epoch finished: the log holds no epoch record)", "I", GREY)
+    if len(lines) == len(run.epochs):  # no final line
+        _text(pdf, lay, "[the log ends here, with no final line: the run had not finished, or it was stopped]",
+              "I", GREY, size=lay.table)
 
 
 def _resume_note(pdf, lay: Layout, segment: report.Segment) -> None:
@@ -210,7 +211,11 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
     _text(pdf, lay, f"Text marked {YOU_WRITE} (in red) is yours to write: this report never invents it.", "I", RED)
 
     from .runlog import git_commit
-    steps = report.ddp_steps()
+    try:
+        steps = report.ddp_steps()
+    except OSError as exc:
+        raise UserError(f"--pdf: cannot read the raw_ddp.py whose step lines the report cites "
+                        f"({exc.strerror or exc}); run it from a checkout of the project") from None
     _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
     _text(pdf, lay, f"Line numbers of the raw_ddp.py this report ships with (commit "
                     f"{report.short_commit(git_commit())}; the run's log names commit "

@@ -553,3 +553,10 @@ def test_bad_notes_are_refused_before_any_output(tmp_path):
                             timeout=120)
     assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: 'bogus' is not a key")
     assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_notes_and_caption_need_pdf(logs, tmp_path, capsys):
+    for flag in ("--notes", "--caption"):
+        assert report.main([str(logs["one"]), "--out", str(tmp_path / "out"), flag, "x"]) == 2
+        assert capsys.readouterr().err == f"error: {flag} is for the PDF: give --pdf FILE too\n"
+    assert not (tmp_path / "out").exists()
