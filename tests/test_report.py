@@ -560,3 +560,21 @@ def test_notes_and_caption_need_pdf(logs, tmp_path, capsys):
         assert report.main([str(logs["one"]), "--out", str(tmp_path / "out"), flag, "x"]) == 2
         assert capsys.readouterr().err == f"error: {flag} is for the PDF: give --pdf FILE too\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
+    """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
+    pytest.importorskip("fpdf")
+    from cifar_wrn import report_pdf
+    built = []
+    build = report_pdf.build
+    monkeypatch.setattr(report_pdf, "build", lambda *args: built.append(args[3]) or build(*args))
+    monkeypatch.setattr(report_pdf, "MAX_PAGES", 1)
+    pdf = tmp_path / "r.pdf"
+    assert report.main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf",
+                        str(pdf)]) == 0
+    assert built == [False, True]  # normal, then compact
+    pages, _, images = pdf_text(pdf)
+    assert pages == 2 and images == 0  # --no-figures: the PDF says so instead
+    assert f"wrote {pdf} (2 pages); warning: more than the course's 1: report fewer runs at a time" \
+        in capsys.readouterr().out
