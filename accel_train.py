@@ -63,13 +63,13 @@ from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run
 
 # The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
 # optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
-SUPPORTED_RECIPE_KEYS = frozenset({
-    "epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling", "reference_batch_size",
-    "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum", "nesterov", "weight_decay",
-    "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline", "augment", "num_workers",
-    "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view", "ddp_static_graph",
-    "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale", "tta_translate",
-    "bn_recalibration"})
+SUPPORTED_RECIPE_KEYS = frozenset({"epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling",
+    "reference_batch_size", "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum",
+    "nesterov", "weight_decay", "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline",
+    "augment", "num_workers", "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view",
+    "ddp_static_graph", "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale",
+    "tta_translate", "bn_recalibration", "muon", "muon_lr", "muon_momentum", "bn_bias_lr_scale", "freeze_bn_scale",
+    "lookahead_steps", "lookahead_alpha", "alternating_flip"})
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1

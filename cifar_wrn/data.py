@@ -182,8 +182,9 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
     dataset on this process's device and cuts augmented batches there (DeviceBatches, one random stream
     per rank: seed + rank); `dataloader` transforms one image at a time on the CPU (CIFAR10)."""
     if recipe.data_pipeline == "device":
+        flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
         return (DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
-                              channels_last=recipe.channels_last, crop_padding=recipe.crop_padding),
+                              channels_last=recipe.channels_last, crop_padding=recipe.crop_padding, flips=flips),
                 DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last))
     return (CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
             CIFAR10(*val_data, augment=False))
@@ -242,6 +243,9 @@ class SkipFirst(Sampler):
         self.batches, self.skip = batches, 0
 
     def __iter__(self):
+        sampler = getattr(self.batches, "sampler", None)  # DeviceBatches(flips=...) mirrors by the epoch's parity
+        if isinstance(getattr(sampler, "dataset", None), DeviceBatches):
+            sampler.dataset.epoch = getattr(sampler, "epoch", 0)
         return itertools.islice(iter(self.batches), self.skip, None)
 
     def __len__(self) -> int:
@@ -341,14 +345,23 @@ def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=No
 
 # ----------------------------------------------------------------------------- on-device pipeline
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+def alternating_flips(images: int, seed: int) -> torch.Tensor:
+    """recipe.alternating_flip (airbench's rule): one fixed random bit per training image, the same on
+    every rank (from `seed` alone); image i is mirrored in epoch e when bit i XOR (e mod 2) is 1, so any
+    two consecutive epochs show it once mirrored and once not."""
+    return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
+
+
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4,
+                     flip: torch.Tensor | None = None) -> torch.Tensor:
     """Random crop with `pad` pixels of zero padding and a random horizontal flip, for a whole
     uint8 batch [B, C, H, W] at once: one pad, two gathers (rows, then columns), one select.
-    No per-image Python; the same code runs on CPU and GPU tensors. pad 0: flips only (no crop work)."""
+    No per-image Python; the same code runs on CPU and GPU tensors. pad 0: flips only (no crop work).
+    `flip` (bool [B]): which images to mirror, instead of a coin toss each."""
     n, c, h, w = images.shape
     device = images.device
     if pad == 0:
-        flip = torch.rand(n, device=device, generator=generator) < 0.5
+        flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
         return torch.where(flip[:, None, None, None], images.flip(3), images)
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
     dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
@@ -356,7 +369,7 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
     rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
     cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
     crops = padded.gather(2, rows).gather(3, cols)
-    flip = torch.rand(n, device=device, generator=generator) < 0.5
+    flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
 
 
@@ -388,9 +401,11 @@ class DeviceBatches(Dataset):
     from the DistributedSampler and set_epoch still reshuffles; the DataLoader only iterates."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, device, augment: bool, seed: int = 0,
-                 channels_last: bool = False, crop_padding: int = 4):
+                 channels_last: bool = False, crop_padding: int = 4, flips: torch.Tensor | None = None):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
+        # alternating_flips' bits, or None (random flips); SkipFirst sets `epoch` from the sampler each epoch
+        self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
         self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
@@ -404,7 +419,8 @@ class DeviceBatches(Dataset):
         index = torch.as_tensor(indices, device=self.device)
         images = self.images[index]
         if self.augment:
-            images = random_crop_flip(images, self.generator, self.crop_padding)
+            flip = None if self.flips is None else self.flips[index] ^ bool(self.epoch % 2)
+            images = random_crop_flip(images, self.generator, self.crop_padding, flip)
         images = (images.float() - self.mean) / self.std
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

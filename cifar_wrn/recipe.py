@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from .errors import UserError
+from .optim import MuonSGD
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -70,6 +71,16 @@ class Recipe:
                                       # (reflected edges; 0 = off; evaluation only, like tta_flip)
     bn_recalibration: int = 0         # training images (all ranks) whose batch statistics replace the evaluated
                                       # network's BatchNorm statistics before each validation (0 = off); in the clock
+    # --- structural levers of issue 25 (docs/optimizations.md, 14; all off by default)
+    muon: bool = False                # Muon (orthogonalised Nesterov momentum) for the 4-D convolution kernels
+    muon_lr: float = 0.24             # the kernels' peak rate with muon (absolute: not scaled by the batch size)
+    muon_momentum: float = 0.6        # the kernels' momentum with muon (the other groups keep `momentum`)
+    bn_bias_lr_scale: float = 1.0     # BatchNorm biases learn at lr * bn_lr_scale * this (1 = like the other biases)
+    freeze_bn_scale: bool = False     # BatchNorm scales (gamma) stay at their initial value
+    lookahead_steps: int = 0          # Lookahead: every this many steps pull slow weights toward the live ones (0 = off)
+    lookahead_alpha: float = 0.5      # ... by this fraction, and restart the live weights from them
+    alternating_flip: bool = False    # augment: each image mirrored in every other epoch instead of at random
+                                      # (needs augment and data_pipeline: device)
 
 
 CHOICES = {"lr_scaling": ("linear", "none"), "lr_schedule": ("constant", "warmup_linear"),
@@ -174,6 +185,19 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"bn_recalibration is a number of training images, >= 0 (got {r.bn_recalibration}; 0 = off)")
     if not 0 <= r.tta_translate <= 8:
         problems.append(f"tta_translate must be in 0..8 pixels (got {r.tta_translate}; 0 = off)")
+    if not r.muon_lr > 0 or not math.isfinite(r.muon_lr):
+        problems.append(f"muon_lr must be a positive number (got {r.muon_lr})")
+    if not 0.0 <= r.muon_momentum < 1.0:
+        problems.append(f"muon_momentum must be in [0, 1) (got {r.muon_momentum})")
+    if not r.bn_bias_lr_scale > 0 or not math.isfinite(r.bn_bias_lr_scale):
+        problems.append(f"bn_bias_lr_scale must be a positive number (got {r.bn_bias_lr_scale})")
+    if r.lookahead_steps < 0:
+        problems.append(f"lookahead_steps must be >= 0 (got {r.lookahead_steps}; 0 = off)")
+    if not 0.0 < r.lookahead_alpha <= 1.0:
+        problems.append(f"lookahead_alpha must be in (0, 1] (got {r.lookahead_alpha})")
+    if r.alternating_flip and not (r.augment and r.data_pipeline == "device"):
+        problems.append("alternating_flip needs augment: true and data_pipeline: device (the per-image pipeline's "
+                        "workers never see the epoch)")
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
     for key, allowed in CHOICES.items():
@@ -197,15 +221,45 @@ def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
     return recipe.base_lr
 
 
-def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.SGD:
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.Optimizer:
     """SGD; weight decay only on conv/linear weights (decaying BatchNorm scales and biases only
     fights the normalisation and does not regularise); those scales and biases learn at `lr` times
-    bn_lr_scale (the schedule multiplies each group's own rate)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": recipe.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale}]
+    bn_lr_scale (the schedule multiplies each group's own rate). The levers of docs/optimizations.md 14
+    take their parameters out of these two groups into groups of their own (lever_groups), and muon or
+    lookahead_steps make it cifar_wrn.optim.MuonSGD; at their defaults it is SGD with the two groups."""
+    special = lever_groups(model, recipe, lr)
+    taken = {id(p) for group in special for p in group["params"]}
+    trained = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    groups = [{"params": [p for p in trained if p.ndim > 1], "weight_decay": recipe.weight_decay},
+              {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale}]
+    groups += special
+    if recipe.muon or recipe.lookahead_steps:
+        return MuonSGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov,
+                       lookahead_steps=recipe.lookahead_steps, lookahead_alpha=recipe.lookahead_alpha)
     return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
+
+
+def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict]:
+    """The parameter groups of the levers that are on (none by default): Muon's convolution kernels (those a
+    BatchNorm directly follows renormalised, the rest not), the BatchNorm biases at bn_bias_lr_scale, the
+    BatchNorm scales frozen (rate 0, no decay: they never move)."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    groups = []
+    if recipe.muon:
+        kernels = [p for p in model.parameters() if p.requires_grad and p.ndim == 4]
+        followed = {id(a.weight) for m in model.modules() if isinstance(m, torch.nn.Sequential)
+                    for a, b in zip(m, list(m)[1:]) if isinstance(a, torch.nn.Conv2d)
+                    and isinstance(b, torch.nn.modules.batchnorm._BatchNorm)}
+        for renormalize in (True, False):
+            groups.append({"params": [p for p in kernels if (id(p) in followed) == renormalize], "muon": True,
+                           "renormalize": renormalize, "lr": recipe.muon_lr, "momentum": recipe.muon_momentum,
+                           "nesterov": True})
+    if recipe.bn_bias_lr_scale != 1.0:
+        groups.append({"params": [m.bias for m in norms], "weight_decay": 0.0,
+                       "lr": lr * recipe.bn_lr_scale * recipe.bn_bias_lr_scale})
+    if recipe.freeze_bn_scale:
+        groups.append({"params": [m.weight for m in norms], "weight_decay": 0.0, "lr": 0.0})
+    return [group for group in groups if group["params"]]
 
 
 def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:

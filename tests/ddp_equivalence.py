@@ -4,6 +4,8 @@ Checks (results written as JSON to argv[1]):
 - replicas: after every step the parameters on both ranks are bitwise identical;
 - equivalence: DDP over 2 ranks equals one process training on the two ranks' batches concatenated
   (BatchNorm and dropout removed: both make a rank's forward depend on its own batch or RNG).
+
+argv: result.json port [recipe keys as JSON, e.g. '{"muon": true}' (tests/test_levers.py)]
 """
 import json
 import os
@@ -51,11 +53,11 @@ def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def worker(rank: int, port: int, out: str):
+def worker(rank: int, port: int, out: str, levers: dict):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    recipe = Recipe(momentum=0.9, weight_decay=1e-3)
+    recipe = Recipe(momentum=0.9, weight_decay=1e-3, **levers)
     model = DDP(bn_free_model())
     identical = True
     for _ in train(model, batches(rank), recipe):
@@ -82,4 +84,5 @@ def worker(rank: int, port: int, out: str):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[2]), sys.argv[1]), nprocs=2, join=True)
+    mp.spawn(worker, args=(int(sys.argv[2]), sys.argv[1], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}),
+             nprocs=2, join=True)
