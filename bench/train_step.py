@@ -1,6 +1,6 @@
 """Training-step images/sec of the fast recipe against the baseline recipe, same device, real model.
 
-    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation]
+    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation] [--levers]
 
 One process, no DDP: this isolates what the recipe changes per step (precision, memory layout,
 batch size, cuDNN autotuning, data pipeline), not the communication. Each recipe runs warm-up steps,
@@ -8,7 +8,9 @@ then --steps timed steps of forward + backward + SGD step on the real WideResNet
 with batches from that recipe's own data pipeline. The two recipes alternate --repeats times and
 the best rate of each is kept; the ratio fast / baseline comes from the same run. --ablation adds
 the steps in between (baseline + bf16, + channels_last, + the fast batch size, + the on-device
-pipeline = fast), each against the baseline of the same run.
+pipeline = fast), each against the baseline of the same run. --levers adds the fast recipe with each
+lever of docs/optimizations.md 14 on (Muon, Lookahead, the BatchNorm rates, alternating flips), each
+against the fast recipe of the same run (column "vs fast").
 """
 import argparse
 import sys
@@ -21,10 +23,15 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import CIFAR10, DeviceBatches  # noqa: E402
+from cifar_wrn.data import CIFAR10, DeviceBatches, alternating_flips  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.recipe import build_optimizer, load_recipe, scaled_lr  # noqa: E402
 import dataclasses  # noqa: E402
+
+
+LEVERS = {"muon": dict(muon=True), "lookahead 5": dict(lookahead_steps=5),
+          "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True),
+          "alternating flips": dict(alternating_flip=True)}  # the bench augments every recipe, fast.yaml too
 
 
 def setup(recipe, batch_size, device, images, labels):
@@ -33,7 +40,8 @@ def setup(recipe, batch_size, device, images, labels):
     model = WideResNet().to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, scaled_lr(recipe, batch_size))
     if recipe.data_pipeline == "device":
-        data = DeviceBatches(images, labels, device, augment=True, channels_last=recipe.channels_last)
+        flips = alternating_flips(len(labels), 0) if recipe.alternating_flip else None
+        data = DeviceBatches(images, labels, device, augment=True, channels_last=recipe.channels_last, flips=flips)
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
         loader = DataLoader(CIFAR10(images, labels, augment=True), batch_size=batch_size, shuffle=True,
@@ -79,6 +87,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fast-batch", type=int, help="per-process batch of the fast recipe (default: the recipe's)")
     p.add_argument("--ablation", action="store_true", help="also time the steps from baseline to fast one by one")
+    p.add_argument("--levers", action="store_true", help="also time fast.yaml with each lever of optimizations.md 14")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     global CLOCK
@@ -95,6 +104,9 @@ def main():
         recipes.update({"+ bf16": bf16, "+ channels_last": nhwc, f"+ batch {fast_batch}": nhwc})
         batch.update({"+ bf16": base.batch_size, "+ channels_last": base.batch_size, f"+ batch {fast_batch}": fast_batch})
     recipes["fast"], batch["fast"] = fast, fast_batch
+    if args.levers:
+        for name, overrides in LEVERS.items():
+            recipes[f"fast + {name}"], batch[f"fast + {name}"] = dataclasses.replace(fast, **overrides), fast_batch
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # for all: only the recipe differences are measured
     steps = {name: setup(recipes[name], batch[name], device, images, labels) for name in recipes}
@@ -108,9 +120,10 @@ def main():
     for _ in range(args.repeats):
         for name in steps:
             best[name] = max(best[name], rate(steps[name], batch[name], args.steps, device))
-    print("| variant | per-process batch | images/sec | vs baseline |\n|---|---|---|---|")
+    print("| variant | per-process batch | images/sec | vs baseline | vs fast |\n|---|---|---|---|---|")
     for name in steps:
-        print(f"| {name} | {batch[name]} | {best[name]:.1f} | {best[name] / best['baseline']:.2f}x |")
+        print(f"| {name} | {batch[name]} | {best[name]:.1f} | {best[name] / best['baseline']:.2f}x | "
+              f"{best[name] / best['fast']:.3f}x |")
     print(f"ratio fast/baseline {best['fast'] / best['baseline']:.2f}x")
 
 

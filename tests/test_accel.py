@@ -299,11 +299,13 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
     bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
     graph, bf16 gradient compression, flip and shift TTA, 2-pixel crop padding, bn_lr_scale and BatchNorm
-    recalibration; the reported metrics
+    recalibration, and the levers of issue 25 (Muon, Lookahead, BatchNorm bias rate and frozen scales,
+    alternating flips; tests/test_levers.py); the reported metrics
     equal a single-process evaluation of the saved (EMA) weights."""
     options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
                "tta_flip=true", "tta_translate=1", "augment=true", "crop_padding=2", "bn_lr_scale=2",
-               "bn_recalibration=100"]
+               "bn_recalibration=100", "muon=true", "muon_lr=0.05", "lookahead_steps=3", "bn_bias_lr_scale=4",
+               "freeze_bn_scale=true", "alternating_flip=true"]
     result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--recipe", "fast",
                                "--batch-size", 32, "--epochs", 2, *[a for o in options for a in ("--set", o)],
                                "--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl")
@@ -311,6 +313,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
+    assert header["recipe"]["muon"] and header["recipe"]["alternating_flip"]
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
