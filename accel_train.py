@@ -33,7 +33,6 @@ would kill its torchrun agent); the ranks checkpoint within 10 steps and exit 75
 import argparse
 import dataclasses
 import os
-import shutil
 import sys
 import warnings
 from datetime import timedelta
@@ -45,9 +44,9 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import (LATEST, latest_checkpoint, load_accelerator_state, publish_or_report,
-                                  read_training_state, resume_disagreement, resume_problem, what_was_seen,
-                                  write_folder)
+from cifar_wrn.checkpoint import (failure, fresh_folder, latest_checkpoint, publish_checkpoint, read_accel_for_resume,
+                                  restore_accel, resume_disagreement, resume_problem, stop_unless_written,
+                                  what_was_seen, write_folder)
 from cifar_wrn.cli import (accelerate_launch_problem, add_training_flags, check_training_flags, launcher_name,
                            launcher_world_size, local_world_size, recipe_from_args, show_progress)
 from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
@@ -345,26 +344,18 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
     one (or none): never resume some ranks while others start from scratch."""
     accelerator, raw_model, eval_model, data = run
-    folder = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if not (args.resume or args.auto_resume):
         return Progress()
-    state, problem = None, f"--resume: no checkpoint in {args.checkpoint_dir}" if args.resume and not folder else None
-    if folder:
-        try:
-            state = read_training_state(folder)
-            problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes())
-        except UserError as exc:
-            problem = str(exc)
+    folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
+    if state is not None:  # each rank loads its part (its own random states) before the ranks agree
+        problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
+            restore_accel, accelerator, folder, state, device.type, eval_model if eval_model is not raw_model else None,
+            data.train_set.generator if data.train_sampler is not None else None)  # the device pipeline's stream
     problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
     if problem:
         raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
     if state is None:
         return Progress()
-    load_accelerator_state(accelerator, folder)  # every rank reads the weights and its own random state
-    if eval_model is not raw_model:
-        eval_model.load_state_dict(state["ema"])
-    if data.train_sampler is not None:  # the device pipeline's augmentation stream
-        data.train_set.generator.set_state(state["pipeline"][rank])
     progress = Progress.of(state)
     if rank == 0:
         print(f"Resuming from {folder}: epoch {progress.epoch + 1}, step {progress.step} of "
@@ -380,33 +371,23 @@ def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progr
     accelerator, raw_model, eval_model, data = run
     pipeline = gather_object([data.train_set.generator.get_state() if data.train_sampler is not None else None])
     state = {**progress.as_dict(), "finished": finished, "pipeline": pipeline, "recipe": as_dict(recipe),
-             "world_size": world_size, "model_width": args.model_width, **data.sizes(),
+             "world_size": world_size, "model_width": args.model_width, **data.sizes(), "device": device.type,
              "ema": eval_model.state_dict() if eval_model is not raw_model else None}
     incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
-    if rank == 0:
-        shutil.rmtree(incomplete, ignore_errors=True)  # a leftover of a write that failed
-    accelerator.wait_for_everyone()
-    wrote = write_folder(accelerator.save_state, incomplete, state if rank == 0 else None, rank,
-                         simulate_enospc=TestFaults(rank).full_disk(progress.epoch))
-    failed = accelerator.reduce(torch.tensor([float(not wrote)], device=device), reduction="sum")  # also a barrier
-    if failed.item() == 0 and rank == 0 and not publish_or_report(args.checkpoint_dir, incomplete):
-        failed.fill_(1)
-    failed = accelerator.reduce(failed, reduction="sum")  # nobody goes on before LATEST names it
-    if failed.item():
-        if rank == 0:
-            shutil.rmtree(incomplete, ignore_errors=True)
-        raise UserError(f"rank {rank}: stopping because the checkpoint could not be written")
+    leftover = incomplete if rank == 0 else None  # after a failure rank 0 removes the half-written folder
+    # Each step's outcome on every rank (also the barrier): any failure, whatever raised it, stops all together.
+    stop_unless_written(gather_object([failure(fresh_folder, incomplete) if rank == 0 else None]), args.checkpoint_dir)
+    problem = failure(write_folder, accelerator.save_state, incomplete, state if rank == 0 else None)
+    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
+    problem = failure(publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
+    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)  # none goes on before LATEST names it
     return latest_checkpoint(args.checkpoint_dir)
 
 
 # ============================================================================ launch
 def check_launch(args) -> None:
     """Every mistake we can see before joining the process group, as one clear UserError."""
-    check_training_flags(args)  # cifar_wrn/cli.py
-    if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
-        raise UserError(f"--resume: no checkpoint in {args.checkpoint_dir} (no {LATEST} naming a state-<n> folder; "
-                        f"start without --resume, or use --auto-resume to start fresh when there is none). The "
-                        f"folder must be visible from every node.")
+    check_training_flags(args)  # cifar_wrn/cli.py; --resume without a checkpoint: resume(), where all ranks agree
 
 
 def check_recipe_supported(recipe) -> None:

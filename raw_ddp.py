@@ -40,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import (checkpoint_path, read_for_resume, resume_disagreement, resume_problem,
-                                  save_atomic, what_was_seen)
+from cifar_wrn.checkpoint import (checkpoint_path, failure, read_for_resume, restore_raw, resume_disagreement,
+                                  resume_problem, save_atomic, stop_unless_written, what_was_seen)
 from cifar_wrn.cli import (add_training_flags, check_training_flags, free_port, launched_by_torchrun, port_from_env,
                            port_is_free, recipe_from_args, show_progress)
 from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
@@ -298,12 +298,13 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     """Where this run starts: from scratch, or exactly where a checkpoint left off; None if that run had
     already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
     one (or none): never resume some ranks while others start from scratch."""
-    raw_model, eval_model, optimizer, scheduler, data = run
+    data = run[4]
     if not (args.resume or args.auto_resume):
         return Progress()
     checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
-    if checkpoint is not None:
-        problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes())
+    if checkpoint is not None:  # each rank loads its part before the ranks agree: one that cannot stops them all
+        problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
+            restore_raw, checkpoint, rank, device, run[:4], getattr(data.train_set, "generator", None))
     seen = [None] * world_size
     dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
     problem = resume_disagreement(seen)
@@ -311,17 +312,6 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
         raise UserError(f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}")
     if checkpoint is None:
         return Progress()
-    raw_model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    if eval_model is not raw_model:
-        eval_model.load_state_dict(checkpoint["ema"])
-    rng = checkpoint["rng"][rank]  # this rank's own random streams, exactly where they were
-    torch.set_rng_state(rng["torch"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-    if isinstance(data.train_set, DeviceBatches):
-        data.train_set.generator.set_state(rng["pipeline"])
     progress = Progress.of(checkpoint)
     if rank == 0:
         print(f"Resuming from {checkpoint_path(args.checkpoint_dir)}: epoch {progress.epoch + 1}, step "
@@ -339,23 +329,17 @@ def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progr
            "pipeline": data.train_set.generator.get_state() if isinstance(data.train_set, DeviceBatches) else None}
     every_rng = [None] * world_size if rank == 0 else None
     dist.gather_object(rng, every_rng, dst=0)  # each rank's random state, collected on rank 0
-    path = checkpoint_path(args.checkpoint_dir)
-    ok = torch.ones(1, device=device)
+    path, problem = checkpoint_path(args.checkpoint_dir), None
     if rank == 0:
         state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(),
                  "ema": eval_model.state_dict() if eval_model is not raw_model else None,
                  **progress.as_dict(), "finished": finished, "rng": every_rng, "recipe": as_dict(recipe),
                  "world_size": world_size, "model_width": args.model_width, **data.sizes()}
-        try:
-            save_atomic(state, path, simulate_enospc=TestFaults(rank).full_disk(progress.epoch))
-        except OSError as exc:
-            print(f"error: could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact",
-                  file=sys.stderr, flush=True)
-            ok.zero_()
-    dist.broadcast(ok, src=0)  # also the barrier: nobody goes on before the checkpoint is on disk
-    if not ok.item():
-        raise UserError(f"rank {rank}: stopping because the checkpoint could not be written")
+        problem = failure(save_atomic, state, path)  # a full disk, whatever torch.save raises for it
+    outcome = [problem]
+    dist.broadcast_object_list(outcome, src=0)  # also the barrier: nobody goes on before the checkpoint is on disk
+    stop_unless_written(outcome, args.checkpoint_dir)  # every rank stops together if it could not be written
     return str(path)
 
 

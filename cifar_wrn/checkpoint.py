@@ -8,18 +8,18 @@ The folder usually sits on shared storage that other accounts can write to, and 
 run whatever code a file put there asks for, in every rank of every requeued job.
 """
 import contextlib
-import errno
 import os
 import pickle
 import re
+import secrets
 import shutil
-import sys
+import stat
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .errors import UserError, agreed_problem
+from .errors import RunStopped, UserError, agreed_problem
 from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
@@ -42,39 +42,95 @@ def check_writable(directory) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
+        os.close(_create_new(probe))
         probe.unlink()
     except OSError as exc:
         raise CheckpointError(f"--checkpoint-dir {directory} is not writable: {exc.strerror or exc}") from None
 
 
-def save_atomic(state: dict, path, simulate_enospc: bool = False) -> None:
-    """Write to a temporary file in the same folder, fsync it, then os.replace it over `path`.
+def _create_new(path) -> int:
+    """A new file's descriptor. The folder may be writable by other accounts: a file or a symbolic link
+    already at `path` (say, one pointing at somebody's data) is an error, never opened or followed."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+
+
+def _remove(path) -> None:
+    """Remove the file, link or folder at `path` itself: a symbolic link goes, never what it points to."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)  # does not follow links inside the folder either
+
+
+def _fsync_folder(directory) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # a rename in it reaches the disk
+    finally:
+        os.close(fd)
+
+
+def why(exc: BaseException) -> str:
+    """One line saying why a read or write failed, whatever raised it. A full disk shows up as torch's
+    RuntimeError ("unexpected pos") raised while the OSError is handled, or as safetensors' SafetensorError
+    ending in "(os error 28)": the OS's own words are the clearest, so they are looked for first."""
+    for cause in (exc, exc.__cause__, exc.__context__):
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+    quoted = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors (Rust): "... (os error 28)"
+    if quoted:
+        return os.strerror(int(quoted.group(1)))
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def failure(action, *args) -> str | None:
+    """None if action(*args) succeeded, else why it failed, in one line (a CheckpointError's own message).
+    The entry point all-gathers every rank's answer, so that all go on or all stop together."""
+    try:
+        action(*args)
+    except CheckpointError as exc:
+        return str(exc)
+    except Exception as exc:
+        return why(exc)
+    return None
+
+
+def stop_unless_written(problems: list, directory, leftover=None) -> None:
+    """After the entry point's all-gather of each rank's failure() with a step of writing a checkpoint:
+    every rank raises the same RunStopped (rank 0 prints one line) if any rank failed; `leftover` (rank 0
+    passes it) is a half-written folder, removed so that it does not hold on to the disk space."""
+    problem = agreed_problem(problems)
+    if problem:
+        if leftover:
+            failure(_remove, leftover)
+        raise RunStopped(f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint "
+                         f"there is intact, and every rank stopped", 2)
+
+
+def save_atomic(state: dict, path) -> None:
+    """Write to a new temporary file in the same folder, fsync it, then os.replace it over `path`.
 
     A crash or a full disk at any moment leaves either the old checkpoint or the new one, never a
-    torn file. `simulate_enospc` (tests only) fails half-way through the write like a full disk.
+    torn file. Any failure (a full disk surfaces from torch.save as a RuntimeError) is a CheckpointError
+    naming the file; the temporary file is removed. os.replace replaces a link at `path`, never its target.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")  # not guessable in advance
+    created = False
     try:
-        with open(tmp, "wb") as f:
-            if simulate_enospc:
-                import io
-                buffer = io.BytesIO()
-                torch.save(state, buffer)
-                f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+        with open(_create_new(tmp), "wb") as f:
+            created = True
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself reaches the disk
-        finally:
-            os.close(dir_fd)
+        _fsync_folder(path.parent)
+    except Exception as exc:
+        raise CheckpointError(f"could not write {path}: {why(exc)}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if created:
+            tmp.unlink(missing_ok=True)
 
 
 # What every checkpoint of either entry point holds besides the weights; checked before anything uses it.
@@ -135,54 +191,67 @@ TRAINING_STATE = "training_state.pt"
 LATEST = "LATEST"
 
 
+STATE_FOLDER = re.compile(r"state-(\d+)")  # the only names LATEST may hold
+
+
 def latest_checkpoint(directory) -> str | None:
-    """The folder of DIR's newest complete checkpoint, or None."""
+    """The folder of DIR's newest complete checkpoint, or None. LATEST lies in a folder other accounts may
+    write to, so what it names is checked: a state-<n> folder directly in DIR, not a symbolic link. Anything
+    else (a path, `..`, a link leading elsewhere) is a CheckpointError naming LATEST: a folder outside DIR
+    is never read, written or removed."""
     pointer = os.path.join(directory, LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        folder = os.path.join(directory, f.read().strip())
-    return folder if os.path.isdir(folder) else None
-
-
-def publish_or_report(directory, incomplete: str) -> bool:
-    """publish_checkpoint; False, with the reason printed, if it failed (the previous checkpoint stays)."""
     try:
-        publish_checkpoint(directory, incomplete)
+        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # not a link; a FIFO must not block
+    except FileNotFoundError:
+        return None
     except OSError as exc:
-        print(f"error: could not publish {incomplete}: {exc.strerror or exc}; the previous checkpoint is intact",
-              file=sys.stderr, flush=True)
-        return False
-    return True
+        raise CheckpointError(f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused): it must be a "
+                              f"file naming a state-<n> folder of {directory}") from None
+    with open(fd, "rb") as f:
+        name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    folder = os.path.join(directory, name or "")
+    if name is None or not STATE_FOLDER.fullmatch(name) or os.path.islink(folder):
+        raise CheckpointError(f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
+                              f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> "
+                              f"folder of {directory}: refused, nothing outside that folder is read or changed. "
+                              f"Remove {LATEST} (or write a checkpoint folder's name into it)")
+    return folder if os.path.isdir(folder) else None
 
 
 def publish_checkpoint(directory, incomplete: str) -> str:
     """Main process: turn the finished folder `incomplete` into DIR's checkpoint, atomically; drop the old one."""
-    previous = latest_checkpoint(directory)
-    number = int(os.path.basename(previous).split("-")[1]) + 1 if previous else 1
+    previous = latest_checkpoint(directory)  # checked: a state-<n> folder of DIR, or None
+    number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
     folder = os.path.join(directory, f"state-{number}")
-    shutil.rmtree(folder, ignore_errors=True)  # a leftover of a run that died between the rename and the switch
+    _remove(folder)  # a leftover of a run that died between the rename and the switch
     for name in os.listdir(incomplete):  # save_state does not fsync: make every rank's files durable first
-        fd = os.open(os.path.join(incomplete, name), os.O_RDONLY)
+        fd = os.open(os.path.join(incomplete, name), os.O_RDONLY | os.O_NOFOLLOW)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     os.rename(incomplete, folder)
-    tmp = os.path.join(directory, f".{LATEST}.tmp")
-    with open(tmp, "w") as f:
-        f.write(os.path.basename(folder) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, LATEST))  # the switch: before it the old checkpoint, after it the new
-    dir_fd = os.open(directory, os.O_RDONLY)
+    tmp = os.path.join(directory, f".{LATEST}.tmp-{secrets.token_hex(6)}")
     try:
-        os.fsync(dir_fd)
+        with open(_create_new(tmp), "w") as f:
+            f.write(os.path.basename(folder) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, LATEST))  # the switch: before it the old checkpoint, after it the new
     finally:
-        os.close(dir_fd)
+        failure(os.unlink, tmp)  # (gone after the switch)
+    _fsync_folder(directory)
     if previous:
-        shutil.rmtree(previous, ignore_errors=True)
+        failure(_remove, previous)  # the new checkpoint is in force whatever happens here
     return folder
+
+
+def fresh_folder(folder) -> None:
+    """Main process, before every rank writes into `folder` (DIR/.incomplete): remove a leftover of a failed
+    write (a link itself, not its target), then make it anew (mkdir does not follow a link put there)."""
+    _remove(folder)
+    os.mkdir(folder)
+
 
 CUSTOM_FILE = re.compile(r"custom_checkpoint_\d+\.pkl")
 
@@ -191,21 +260,14 @@ def save_training_state(folder, state: dict) -> None:
     torch.save(state, Path(folder) / TRAINING_STATE)
 
 
-def write_folder(save_state, folder, state: dict | None, rank: int, simulate_enospc: bool = False) -> bool:
+def write_folder(save_state, folder, state: dict | None) -> None:
     """One rank's part of an accel_train.py checkpoint: accelerator.save_state(folder) (passed in: every rank
     writes its random state, the main one the rest) and, on the main process (state given), TRAINING_STATE.
-    False, with the reason printed, if this rank could not write; the previous checkpoint is untouched."""
-    try:
-        save_state(folder)
-        if state is not None:
-            save_training_state(folder, state)
-            if simulate_enospc:  # tests only
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
-    except OSError as exc:
-        print(f"error: rank {rank} could not write {folder}: {exc.strerror or exc}; the previous checkpoint is "
-              f"intact", file=sys.stderr, flush=True)
-        return False
-    return True
+    (Run through failure(): whatever save_state raises on a full disk, SafetensorError or RuntimeError, is
+    caught there; the previous checkpoint is untouched.)"""
+    save_state(folder)
+    if state is not None:
+        save_training_state(folder, state)
 
 
 def read_training_state(folder) -> dict:
@@ -234,21 +296,82 @@ def _without_custom_files(folder: Path):
         yield view
 
 
-def load_accelerator_state(accelerator, folder) -> None:
-    """accelerator.load_state(folder) for accel_train.py (which registers no objects), as data only, with
-    every failure a CheckpointError naming the folder. This process's random-state file is read first:
-    load_state only logs one it cannot read and goes on, and the resume would silently not be exact."""
+def device_problem(saved_on: str, running_on: str) -> str | None:
+    """A checkpoint's random states belong to the device type that wrote them (a CUDA generator's state is not
+    a CPU one's), and the arithmetic differs anyway: say so, rather than fail inside set_rng_state."""
+    if saved_on == running_on:
+        return None
+    return (f"it was written by a run on {saved_on}, this run is on {running_on}: its random states, and with them "
+            f"an exact resume, do not carry over (resume on {saved_on}, or start afresh in another folder)")
+
+
+def _loading(where, action) -> None:
+    """action(), every failure a CheckpointError saying that `where` was found but cannot be loaded."""
+    try:
+        action()
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(_not_ours(where, _refusal(exc))) from None
+    except Exception as exc:
+        raise CheckpointError(f"{where} was found but cannot be loaded into this run ({why(exc)})") from None
+
+
+def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) -> None:
+    """raw_ddp.py: `checkpoint` (from read_for_resume) into this rank's (raw_model, eval_model, optimizer,
+    scheduler) and random streams (generator: the device pipeline's, or None). Run through failure() before
+    the ranks agree, so that a rank whose part cannot be loaded stops every rank."""
+    raw_model, eval_model, optimizer, scheduler = objects
+
+    def load():
+        rng = checkpoint["rng"][rank]  # this rank's own random streams, exactly where they were
+        problem = device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
+        if problem:
+            raise CheckpointError(problem)
+        raw_model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        if eval_model is not raw_model:
+            eval_model.load_state_dict(checkpoint["ema"])
+        torch.set_rng_state(rng["torch"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+        if generator is not None:
+            generator.set_state(rng["pipeline"])
+    _loading(f"rank {rank}'s part of the checkpoint", load)
+
+
+RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+
+
+def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator) -> None:
+    """accel_train.py: accelerator.load_state(folder) (accel_train.py registers no objects), as data only, then
+    the EMA (or None) and the device pipeline's generator (or None) from `state` (its TRAINING_STATE). Run
+    through failure() before the ranks agree, like restore_raw. This process's random-state file is read
+    and checked first: load_state only logs one it cannot read (or one without the CUDA state) and goes on,
+    and the resume would silently not be exact."""
     from accelerate.utils import load as accelerate_load  # torch.load, weights_only, numpy's RNG types allowed
 
     folder = Path(folder)
-    try:
-        accelerate_load(folder / f"random_states_{accelerator.process_index}.pkl")
+    path = folder / f"random_states_{accelerator.process_index}.pkl"
+
+    def load():
+        rng = accelerate_load(path) if path.is_file() else None
+        if rng is None:
+            raise CheckpointError(f"{path} is missing (each rank resumes its own random streams from its file)")
+        if not isinstance(rng, dict) or any(key not in rng for key in RANDOM_STATE_KEYS):
+            raise CheckpointError(_not_ours(path, "it is not a random state"))
+        problem = device_problem(state.get("device", "cuda" if "torch_cuda_manual_seed" in rng else "cpu"),
+                                 device_type)
+        if problem:
+            raise CheckpointError(problem)
         with _without_custom_files(folder) as readable:
             accelerator.load_state(readable, load_kwargs={"weights_only": True})
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(_not_ours(folder, _refusal(exc))) from None
-    except Exception as exc:
-        raise CheckpointError(f"{folder} cannot be read ({type(exc).__name__}: {exc})") from None
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
+        if generator is not None:
+            generator.set_state(state["pipeline"][accelerator.process_index])
+    _loading(folder, load)
 
 
 def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]:
@@ -262,6 +385,24 @@ def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]
         return None, str(exc)
 
 
+def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict | None, str | None]:
+    """accel_train.py's read_for_resume: (DIR's newest folder or None, its TRAINING_STATE or None, None or
+    why it cannot be read). `--resume` without a checkpoint is a problem like any other, found after the
+    process group has formed, so that every node stops together (not one at once, the others after
+    --dist-timeout in the rendezvous)."""
+    folder = None
+    try:
+        folder = latest_checkpoint(directory)
+        if folder is None:
+            return None, None, required and (
+                f"--resume: no checkpoint in {directory} (no {LATEST} naming a state-<n> folder; start without "
+                f"--resume, or use --auto-resume to start fresh when there is none). The folder must be visible "
+                f"from every node.") or None
+        return folder, read_training_state(folder), None
+    except CheckpointError as exc:
+        return folder, None, str(exc)
+
+
 def what_was_seen(state: dict | None) -> str:
     """What one rank found in the checkpoint folder, in words that also identify the checkpoint."""
     if state is None:
@@ -272,15 +413,19 @@ def what_was_seen(state: dict | None) -> str:
 def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
     """seen[rank] = (what_was_seen, that rank's own problem with resuming or None), from an all-gather.
 
-    Rank 0's view decides, and every rank must share it: when one node finds a checkpoint and another
-    none (an unshared or stale folder), resuming some ranks and starting others from scratch would
+    Any rank's problem (a file it found but cannot read, a recipe that differs) is reported first, as
+    such. Then rank 0's view decides, and every rank must share it: when one node finds a checkpoint and
+    another none (an unshared or stale folder), resuming some ranks and starting others from scratch would
     train a mixed run. The same list on every rank gives the same answer on every rank."""
+    problem = agreed_problem([problem for _, problem in seen])
+    if problem:  # first: a rank that found a checkpoint it cannot read says so, it does not "see no checkpoint"
+        return problem
     views = [view for view, _ in seen]
     if any(view != views[0] for view in views):
         listed = "; ".join(f"rank {rank} sees {view}" for rank, view in enumerate(views))
         return (f"the ranks do not see the same checkpoint: {listed}. Every node must see the same "
                 f"--checkpoint-dir (a shared folder); resume when they do, or start afresh in an empty folder")
-    return agreed_problem([problem for _, problem in seen])
+    return None
 
 
 def resume_problem(checkpoint: dict, recipe: dict, world_size: int, model_width: int,

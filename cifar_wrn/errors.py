@@ -49,8 +49,8 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
         finally:
             close_all()  # a progress bar left half-drawn must not swallow the message's first line
     except RunStopped as exc:
-        if str(rank) == "0":
-            print(f"{'error: ' if exc.status == 1 else ''}{exc}", file=sys.stderr, flush=True)
+        if str(rank) == "0":  # 1 and 2 are failures (2: one the user can fix); 75, a preemption, is not
+            print(f"{'error: ' if exc.status in (1, 2) else ''}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.status)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -44,7 +44,6 @@ class TestFaults:
     CIFAR_WRN_TEST_RAISE_IN_RANK=r        rank r raises before its first step
     CIFAR_WRN_TEST_NAN_AT=r,epoch,step    rank r's loss becomes NaN at that step (1-based)
     CIFAR_WRN_TEST_STOP_AT=epoch,step     every rank acts as if a stop signal arrived at that step
-    CIFAR_WRN_TEST_ENOSPC_AT_EPOCH=e      the checkpoint written after epoch e fails like a full disk
     """
 
     def __init__(self, rank: int):
@@ -52,7 +51,6 @@ class TestFaults:
         self.raise_in_rank = os.environ.get("CIFAR_WRN_TEST_RAISE_IN_RANK")
         self.nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")
         self.stop_at = os.environ.get("CIFAR_WRN_TEST_STOP_AT", "")
-        self.enospc_at = os.environ.get("CIFAR_WRN_TEST_ENOSPC_AT_EPOCH")
 
     @classmethod
     def for_rank(cls, rank: int) -> "TestFaults":
@@ -69,9 +67,6 @@ class TestFaults:
         if self.nan_at == f"{self.rank},{epoch + 1},{step + 1}":
             return loss * float("nan")
         return loss
-
-    def full_disk(self, epoch: int) -> bool:
-        return self.enospc_at == str(epoch)
 
 
 class StepGuard:
