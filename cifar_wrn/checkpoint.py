@@ -41,7 +41,7 @@ def check_writable(directory) -> None:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
+        probe = directory / f".write-test-{secrets.token_hex(6)}"  # a name nobody could have put there first
         os.close(_create_new(probe))
         probe.unlink()
     except OSError as exc:
@@ -338,7 +338,7 @@ def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) 
             torch.cuda.set_rng_state(rng["cuda"], device)
         if generator is not None:
             generator.set_state(rng["pipeline"])
-    _loading(f"rank {rank}'s part of the checkpoint", load)
+    _loading("its part of the checkpoint", load)  # (the message gets "rank <rank>: " in front)
 
 
 RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")

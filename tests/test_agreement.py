@@ -2,6 +2,7 @@
 acts on together, so that a run never trains mixed, and never leaves ranks waiting in a collective.
 Both entry points; two "nodes" are two launches on this machine meeting at one port."""
 import os
+import shutil
 import signal
 import sys
 
@@ -61,6 +62,14 @@ def test_resume_disagreement_lists_what_each_rank_sees():
     message = resume_disagreement([(what_was_seen(state), None), (what_was_seen(None), None)])
     assert "rank 0 sees epoch 2, step 0 (Cumulative Time 12.5 s); rank 1 sees no checkpoint" in message
     assert resume_disagreement(same[:1] + [(what_was_seen(state), "width differs")]) == "rank 1: width differs"
+
+
+def test_a_rank_that_cannot_read_the_checkpoint_is_reported_as_such():
+    """Not as "sees no checkpoint" with the advice to start afresh: it found one, and says why it cannot use it."""
+    state = {"epoch": 2, "step": 0, "cumulative_time": 12.5}
+    unreadable = "/ck/state-2/random_states_1.pkl is missing (each rank resumes its own random streams from its file)"
+    message = resume_disagreement([(what_was_seen(state), None), (what_was_seen(None), unreadable)])
+    assert message == f"rank 1: {unreadable}"
 
 
 def test_resume_problem_names_a_different_data_size():
@@ -170,6 +179,38 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir
         assert node.returncode != 0 and node.seconds < 120
         assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
         assert 'accel_train.py", line' not in node.stderr
+
+
+@pytest.fixture(scope="module")
+def accel_two_rank_checkpoint(cifar_dir, tmp_path_factory):
+    """accel_train.py's checkpoint after epoch 1, written by 2 processes."""
+    ck = tmp_path_factory.mktemp("accel_two") / "ck"
+    first = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 1,
+                                                                             "--checkpoint-dir", ck))
+    assert first.returncode == 0, first.stderr[-3000:]
+    return ck
+
+
+@pytest.mark.parametrize("case", ["no checkpoint on node 1", "random_states_1.pkl missing"])
+def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, accel_two_rank_checkpoint, case):
+    """--resume where node 1 lacks the checkpoint (it once stopped alone before the group formed, leaving node 0
+    in the rendezvous for --dist-timeout), or lacks its own random-state file (it once stopped alone after the
+    agreement): both nodes stop within a minute, each with the same line. --dist-timeout 300: a node left waiting
+    would be killed by the test's timeout."""
+    ck = tmp_path / "ck"
+    shutil.copytree(accel_two_rank_checkpoint, ck)
+    folder = ck / (ck / "LATEST").read_text().strip()
+    node1_dir = tmp_path / "empty" if case.startswith("no checkpoint") else ck
+    if case.startswith("random_states"):
+        (folder / "random_states_1.pkl").unlink()
+    node_flags = lambda directory: [str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir",
+                                                                      directory, "--resume", "--dist-timeout", 300)[1:]]
+    expected = (f"rank 1: --resume: no checkpoint in {node1_dir}" if case.startswith("no checkpoint") else
+                f"rank 1: {folder / 'random_states_1.pkl'} is missing")
+    for node in two_accel_nodes([node_flags(ck), node_flags(node1_dir)], timeout=90):
+        assert node.returncode != 0 and node.seconds < 60, node.stderr[-3000:]
+        assert f"error: cannot resume from " in node.stderr and expected in node.stderr, node.stderr[-3000:]
+        assert "Epoch = " not in node.stdout and 'accel_train.py", line' not in node.stderr
 
 
 def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path):

@@ -1,6 +1,8 @@
 """Checkpoint and resume, preemption, crashed ranks, non-finite loss: nothing lost, nothing hangs."""
+import io
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -8,7 +10,9 @@ import psutil
 import pytest
 import torch
 
-from cifar_wrn.checkpoint import CheckpointError, check_writable, load_checkpoint, resume_problem, save_atomic
+from cifar_wrn.checkpoint import (CheckpointError, check_writable, load_checkpoint, read_training_state, resume_problem,
+                                  save_atomic)
+from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 from conftest import wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, start
 
@@ -22,13 +26,43 @@ def flags(cifar_dir, *extra):
 
 # ----------------------------------------------------------------------------- pure pieces
 
-def test_atomic_write_keeps_the_old_checkpoint_on_a_full_disk(tmp_path):
-    path = tmp_path / "checkpoint.pt"
-    save_atomic({"epoch": 1}, path)
-    with pytest.raises(OSError, match="No space left"):
-        save_atomic({"epoch": 2, "big": torch.zeros(10_000)}, path, simulate_enospc=True)
-    assert torch.load(path)["epoch"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a folder on a tmpfs of `size` bytes (a real full disk: writes end in ENOSPC); mount it
+    again with another size to make room. Needs root (the tests run as root in CI); skipped where refused."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = []
+
+    def mount(size: int):
+        options = f"{'remount,' if mounted else ''}size={size}"
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                                text=True)
+        if result.returncode:
+            pytest.skip(f"a real full disk needs a small tmpfs, and mount was refused here: {result.stderr.strip()}")
+        mounted.append(size)
+        return folder
+    yield mount
+    if mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def checkpoint_bytes(width: int) -> int:
+    """About what one checkpoint of this width takes on disk (the weights; the baseline's SGD has no momentum)."""
+    buffer = io.BytesIO()
+    torch.save(WideResNet(width=width).state_dict(), buffer)
+    return len(buffer.getvalue())
+
+
+def test_atomic_write_keeps_the_old_checkpoint_on_a_full_disk(small_disk):
+    state = {"epoch": 1, "model": WideResNet(width=8).state_dict()}
+    disk = small_disk(checkpoint_bytes(8) * 3 // 2)  # room for one checkpoint, not for the next beside it
+    save_atomic(state, disk / "checkpoint.pt")
+    # torch.save into the open file raises RuntimeError ("unexpected pos") while handling the OSError
+    with pytest.raises(CheckpointError, match=f"could not write {disk / 'checkpoint.pt'}: No space left on device$"):
+        save_atomic({**state, "epoch": 2}, disk / "checkpoint.pt")
+    assert torch.load(disk / "checkpoint.pt")["epoch"] == 1
+    assert [p.name for p in disk.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
 
 
 def test_unwritable_checkpoint_dir_is_refused(tmp_path):
@@ -84,15 +118,40 @@ def test_resume_refusals(cifar_dir, tmp_path):
     assert one_process.returncode == 2 and "written by 2 processes, this run has 1" in one_process.stderr
 
 
-def test_full_disk_during_checkpoint_keeps_the_previous_one(cifar_dir, tmp_path):
-    result = run_raw(*flags(cifar_dir, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"),
-                     env=cpu_env(CIFAR_WRN_TEST_ENOSPC_AT_EPOCH=2))
-    assert result.returncode == 2
-    assert "could not write" in result.stderr and "No space left on device" in result.stderr
-    assert "previous checkpoint is intact" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_dir, small_disk, trainer):
+    """A real ENOSPC (a tmpfs with room for one checkpoint of the width-32 model, not two): the second
+    checkpoint fails however the library reports it (torch.save: RuntimeError; save_state: SafetensorError
+    or RuntimeError); every rank stops at once with one error line naming the folder; once there is room
+    the first checkpoint resumes."""
+    from test_accel import CONFIGS, accel_env, accelerate_launch
+    disk = small_disk(checkpoint_bytes(32) * 3 // 2)
+    small = ["--model-width", 32, "--train-subset", 64, "--val-subset", 32, "--checkpoint-dir", disk]
+    if trainer == "raw":
+        launch = lambda *extra: run_raw(*flags(cifar_dir, *small, *extra), timeout=120)
+    else:
+        launch = lambda *extra: accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir,
+                                                  "--set", "eval_batch_size=64", "--dist-timeout", 60, *small, *extra)
+    result = launch("--epochs", 3)
+    assert result.returncode != 0 and result.seconds < 60, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]  # rank 0 says it once; rank 1 stops with it, silently
+    assert f"no checkpoint could be written in {disk} (rank 0: " in errors[0] and "No space left on device" in errors[0]
+    assert "previous checkpoint there is intact" in errors[0]
+    assert 'accel_train.py", line' not in result.stderr, result.stderr  # (torchrun adds its own traceback)
     assert result.stdout.count("Epoch = ") == 2  # it stopped at the failed write, not later
-    assert load_checkpoint(tmp_path / "ck")["epoch"] == 1
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["checkpoint.pt"]
+    if trainer == "raw":
+        assert result.returncode == 2
+        assert sorted(p.name for p in disk.iterdir()) == ["checkpoint.pt"]
+        assert load_checkpoint(disk)["epoch"] == 1
+    else:
+        assert sorted(p.name for p in disk.iterdir()) == ["LATEST", "state-1"]  # the half-written folder removed
+        assert read_training_state(disk / "state-1")["epoch"] == 1
+    small_disk(checkpoint_bytes(32) * 4)  # room again
+    resumed = launch("--epochs", 2, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout and ": epoch 2, step 0" in resumed.stdout
+    assert resumed.stdout.count("Epoch = ") == 1
 
 
 # ----------------------------------------------------------------------------- preemption and faults

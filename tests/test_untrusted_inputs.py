@@ -188,6 +188,134 @@ def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted)
     assert path.read_bytes() == before
 
 
+# ----------------------------------------------------------------------------- nothing outside the folder
+
+def victim_folder(tmp_path):
+    """Somebody's folder outside the checkpoint folder, named like a checkpoint."""
+    victim = tmp_path / "elsewhere" / "state-7"
+    victim.mkdir(parents=True)
+    (victim / "data").write_text("precious")
+    return victim
+
+
+def bad_latest(ck, victim, how):
+    """DIR/LATEST (or what it names) leading outside DIR, as another account sharing the folder could make it."""
+    ck.mkdir(exist_ok=True)
+    if how == "absolute":
+        (ck / "LATEST").write_text(f"{victim}\n")
+    elif how == "dot-dot":
+        (ck / "LATEST").write_text(f"../{victim.parent.name}/{victim.name}\n")
+    elif how == "..":
+        (ck / "LATEST").write_text("..\n")
+    elif how == "symlinked folder":
+        (ck / "state-7").symlink_to(victim)
+        (ck / "LATEST").write_text("state-7\n")
+    else:  # LATEST itself a link to a file that names a folder
+        (victim.parent / "pointer").write_text("state-7\n")
+        (ck / "LATEST").symlink_to(victim.parent / "pointer")
+
+
+LATEST_CASES = ["absolute", "dot-dot", "..", "symlinked folder", "symlinked LATEST"]
+
+
+@pytest.mark.parametrize("how", LATEST_CASES)
+def test_latest_naming_anything_but_a_folder_of_dir_is_refused(tmp_path, how):
+    from cifar_wrn.checkpoint import latest_checkpoint, publish_checkpoint
+    ck, victim = tmp_path / "ck", victim_folder(tmp_path)
+    bad_latest(ck, victim, how)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(ck / 'LATEST'))} .*(refused|link)") as refused:
+        latest_checkpoint(ck)
+    assert "\n" not in str(refused.value)
+    (ck / ".incomplete").mkdir()
+    with pytest.raises(CheckpointError):
+        publish_checkpoint(ck, ck / ".incomplete")  # once removed the "previous checkpoint" it named
+    assert (victim / "data").read_text() == "precious" and (ck / ".incomplete").is_dir()
+
+
+def test_temporary_files_never_follow_a_link(tmp_path):
+    """Names another account could put in a shared folder beforehand, as links to somebody's file or folder."""
+    import os
+    from cifar_wrn.checkpoint import check_writable, fresh_folder, save_atomic
+    ck, victim = tmp_path / "ck", victim_folder(tmp_path)
+    ck.mkdir()
+    (ck / f".write-test-{os.getpid()}").symlink_to(victim / "data")  # the names these files once had
+    (ck / f".checkpoint.pt.tmp-{os.getpid()}").symlink_to(victim / "data")
+    (ck / ".incomplete").symlink_to(victim)
+    check_writable(ck)
+    save_atomic({"epoch": 1}, ck / "checkpoint.pt")
+    fresh_folder(ck / ".incomplete")  # the link goes, a new empty folder takes its place
+    assert (victim / "data").read_text() == "precious" and sorted(p.name for p in victim.iterdir()) == ["data"]
+    assert (ck / ".incomplete").is_dir() and not (ck / ".incomplete").is_symlink()
+    assert torch.load(ck / "checkpoint.pt") == {"epoch": 1}
+
+
+@pytest.mark.parametrize("how", ["..", "absolute", "symlinked folder"])
+def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_path, how):
+    """From outside: a run that would save (and then remove "the previous checkpoint") or resume. `..` once
+    raised IndexError on rank 0 alone, leaving the other rank waiting: 2 processes there, both stop."""
+    from test_accel import CONFIGS, accelerate_launch
+    ck, victim = tmp_path / "ck", victim_folder(tmp_path)
+    bad_latest(ck, victim, how)
+    common = [*data_flags(cifar_dir), "--model-width", 4, "--set", "eval_batch_size=64", "--epochs", 1,
+              "--checkpoint-dir", ck]
+    if how == "..":
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *common, "--dist-timeout", 60)
+    else:
+        result = accel_train(*common, *(["--auto-resume"] if how == "absolute" else []))
+    assert result.returncode != 0 and result.seconds < 90, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{ck / 'LATEST'} " in errors[0] and "refused" in errors[0], result.stderr[-3000:]
+    assert 'accel_train.py", line' not in result.stderr and "lost contact" not in result.stderr
+    assert (victim / "data").read_text() == "precious" and sorted(p.name for p in victim.iterdir()) == ["data"]
+
+
+# ----------------------------------------------------------------------------- a part one rank cannot load
+
+def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path):
+    ck = tmp_path / "ck"
+    common = ["--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--checkpoint-dir", ck]
+    assert raw_ddp(*common, "--epochs", 1, timeout=120).returncode == 0
+    state = torch.load(ck / "checkpoint.pt")
+    torch.save({**state, "rng": state["rng"][:1]}, ck / "checkpoint.pt")  # data only, but rank 1's part is gone
+    result = raw_ddp(*common, "--epochs", 2, "--resume", timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    expected = "rank 1: its part of the checkpoint was found but cannot be loaded into this run (IndexError"
+    assert result.stderr.count(expected) == 2, result.stderr[-3000:]  # each rank says why it stopped
+    assert "Traceback" not in result.stderr and "Epoch = " not in result.stdout
+
+
+def fake_random_states(path, cuda: bool):
+    import random
+    import numpy as np
+    states = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    torch.save({**states, **({"torch_cuda_manual_seed": [torch.zeros(16, dtype=torch.uint8)]} if cuda else {})}, path)
+
+
+def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
+    """A CPU checkpoint resumed on a GPU (or the reverse) once ended in a traceback from set_rng_state (raw) or
+    silently skipped the random states (accel). No GPU is needed to see the message: it comes first."""
+    from types import SimpleNamespace
+    from cifar_wrn.checkpoint import restore_accel, restore_raw
+    cpu_written = {"rng": [{"torch": torch.get_rng_state(), "cuda": None, "pipeline": None}]}
+    gpu_written = {"rng": [{"torch": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8),
+                            "pipeline": None}]}
+    for checkpoint, saved, running in ((cpu_written, "cpu", "cuda"), (gpu_written, "cuda", "cpu")):
+        with pytest.raises(CheckpointError, match=f"written by a run on {saved}, this run is on {running}: its "
+                                                  f"random states.* do not carry over"):
+            restore_raw(checkpoint, 0, torch.device(running), (None,) * 4, None)
+    accelerator = SimpleNamespace(process_index=0)
+    fake_random_states(tmp_path / "random_states_0.pkl", cuda=False)
+    with pytest.raises(CheckpointError, match="written by a run on cpu, this run is on cuda"):
+        restore_accel(accelerator, tmp_path, {}, "cuda", None, None)  # a checkpoint from before "device" was kept
+    fake_random_states(tmp_path / "random_states_0.pkl", cuda=True)
+    with pytest.raises(CheckpointError, match="written by a run on cuda, this run is on cpu"):
+        restore_accel(accelerator, tmp_path, {"device": "cuda"}, "cpu", None, None)
+    (tmp_path / "random_states_0.pkl").unlink()
+    with pytest.raises(CheckpointError, match="random_states_0.pkl is missing"):
+        restore_accel(accelerator, tmp_path, {"device": "cpu"}, "cpu", None, None)
+
+
 # ----------------------------------------------------------------------------- bad inputs, before any process
 
 BAD_INPUTS = {
