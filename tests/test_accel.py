@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import accel_train
+from cifar_wrn.checkpoint import read_training_state
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
@@ -426,7 +427,7 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert result.returncode != 0
     assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
     assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
-    state = accel_train.read_training_state(accel_train.latest_checkpoint(ck))
+    state = read_training_state(accel_train.latest_checkpoint(ck))
     assert state["step"] % 10 == 0 and 0 < state["step"] <= 40 and not state["finished"]
     resumed = accelerate_launch(CONFIGS / "two_cpus.yaml",
                                 *reliability_flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json",
@@ -453,7 +454,7 @@ def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tm
     assert result.returncode != 0 and "got signal: 15" in result.stderr
     assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind
-    state = accel_train.read_training_state(accel_train.latest_checkpoint(ck))
+    state = read_training_state(accel_train.latest_checkpoint(ck))
     assert state["step"] % 10 == 0 and not state["finished"]
 
 

@@ -124,7 +124,7 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
     checkpoint fails however the library reports it (torch.save: RuntimeError; save_state: SafetensorError
     or RuntimeError); every rank stops at once with one error line naming the folder; once there is room
     the first checkpoint resumes."""
-    from test_accel import CONFIGS, accel_env, accelerate_launch
+    from test_accel import CONFIGS, accelerate_launch
     disk = small_disk(checkpoint_bytes(32) * 3 // 2)
     small = ["--model-width", 32, "--train-subset", 64, "--val-subset", 32, "--checkpoint-dir", disk]
     if trainer == "raw":
