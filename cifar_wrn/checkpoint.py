@@ -361,7 +361,8 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
             raise CheckpointError(f"{path} is missing (each rank resumes its own random streams from its file)")
         if not isinstance(rng, dict) or any(key not in rng for key in RANDOM_STATE_KEYS):
             raise CheckpointError(_not_ours(path, "it is not a random state"))
-        problem = device_problem(state.get("device", "cuda" if "torch_cuda_manual_seed" in rng else "cpu"),
+        # (a folder written before "device" was kept: one without the CUDA state was written without CUDA)
+        problem = device_problem(state.get("device", device_type if "torch_cuda_manual_seed" in rng else "cpu"),
                                  device_type)
         if problem:
             raise CheckpointError(problem)
