@@ -195,8 +195,8 @@ def accel_two_rank_checkpoint(cifar_dir, tmp_path_factory):
 def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, accel_two_rank_checkpoint, case):
     """--resume where node 1 lacks the checkpoint (it once stopped alone before the group formed, leaving node 0
     in the rendezvous for --dist-timeout), or lacks its own random-state file (it once stopped alone after the
-    agreement): both nodes stop within a minute, each with the same line. --dist-timeout 300: a node left waiting
-    would be killed by the test's timeout."""
+    agreement): both nodes stop together within seconds of forming the group, each with the same line.
+    --dist-timeout 300: a node left waiting would be killed by the test's timeout."""
     ck = tmp_path / "ck"
     shutil.copytree(accel_two_rank_checkpoint, ck)
     folder = ck / (ck / "LATEST").read_text().strip()
@@ -207,8 +207,8 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, accel_t
                                                                       directory, "--resume", "--dist-timeout", 300)[1:]]
     expected = (f"rank 1: --resume: no checkpoint in {node1_dir}" if case.startswith("no checkpoint") else
                 f"rank 1: {folder / 'random_states_1.pkl'} is missing")
-    for node in two_accel_nodes([node_flags(ck), node_flags(node1_dir)], timeout=90):
-        assert node.returncode != 0 and node.seconds < 60, node.stderr[-3000:]
+    for node in two_accel_nodes([node_flags(ck), node_flags(node1_dir)], timeout=150):
+        assert node.returncode != 0 and node.seconds < 90, node.stderr[-3000:]  # start-up included (~20 s)
         assert f"error: cannot resume from " in node.stderr and expected in node.stderr, node.stderr[-3000:]
         assert "Epoch = " not in node.stdout and 'accel_train.py", line' not in node.stderr
 
