@@ -19,7 +19,7 @@ from them. The slow weights and the step count are optimizer state, so state_dic
 holds them and a resumed run continues exactly.
 
 Every rank steps on the same averaged gradient and the same weights with the same arithmetic, so DDP's
-replicas stay identical (tests/test_optim.py checks it with 2 processes).
+replicas stay identical (tests/test_levers.py checks it with 2 processes).
 """
 import torch
 from torch.optim.sgd import sgd
@@ -49,6 +49,8 @@ def orthogonalise(matrix: torch.Tensor, steps: int = NS_STEPS, dtype=torch.bfloa
 
 
 class MuonSGD(torch.optim.Optimizer):
+    """SGD for the groups with muon False, Muon for those with muon True, Lookahead over all (module docstring)."""
+
     def __init__(self, groups, lr: float, momentum: float, nesterov: bool, lookahead_steps: int = 0,
                  lookahead_alpha: float = 0.5):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, muon=False, renormalize=False)
