@@ -68,7 +68,7 @@ SUPPORTED_RECIPE_KEYS = frozenset({"epochs", "target_accuracy", "patience", "bat
     "augment", "num_workers", "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view",
     "ddp_static_graph", "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale",
     "tta_translate", "bn_recalibration", "muon", "muon_lr", "muon_momentum", "bn_bias_lr_scale", "freeze_bn_scale",
-    "lookahead_steps", "lookahead_alpha", "alternating_flip"})
+    "lookahead_steps", "lookahead_alpha", "alternating_flip", "extra_epochs"})
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
@@ -219,7 +219,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         guard, faults = StepGuard(rank, world_size, device), TestFaults.for_rank(rank)  # agreement, test hooks
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
-        for epoch in range(progress.epoch, recipe.epochs):
+        for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
             epoch_loader = epoch_batches(accelerator, data, epoch, progress.step)  # A1.6: a new shuffle each epoch
             model.train()
             t0 = timer.start(device)  # the epoch's clock: training only, validation is outside
@@ -261,12 +261,12 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             val_loss, val_accuracy = validate(accelerator, eval_model, data, device, recipe, show)  # A1.9
             metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
                        "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
+            done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
             if is_main:  # A1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # A1.10
                 if args.profile:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
             log.write({"kind": "epoch", **metrics, **({"profile": profile, "comm_estimate": comm} if profile else {})})
-            done = progress.end_epoch(metrics, recipe.target_accuracy, recipe.patience)
             if args.checkpoint_dir:
                 save_checkpoint(args, recipe, rank, world_size, device, run, progress, finished=done)
             if done:

@@ -193,7 +193,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         guard, faults = StepGuard(rank, world_size, device), TestFaults.for_rank(rank)  # agreement, test hooks
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
-        for epoch in range(progress.epoch, recipe.epochs):
+        for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
             data.train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch, the same on every rank
             data.train_batches.skip = progress.step
             model.train()
@@ -236,12 +236,12 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             val_loss, val_accuracy = validate(eval_model, data, device, recipe, show)  # R1.9
             metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
                        "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
+            done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
             if is_main:  # R1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # R1.10
                 if args.profile:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
             log.write({"kind": "epoch", **metrics, **({"profile": profile, "comm_estimate": comm} if profile else {})})
-            done = progress.end_epoch(metrics, recipe.target_accuracy, recipe.patience)
             if args.checkpoint_dir:
                 save_checkpoint(args, recipe, rank, world_size, device, run, progress, finished=done)
             if done:

@@ -24,8 +24,9 @@ from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
 # Recipe keys that may change between a run and its resume: they do not change what was trained so
-# far. `epochs` may grow only when the LR schedule does not depend on it.
-RESUMABLE_CHANGES = {"epochs", "target_accuracy", "patience", "eval_batch_size", "num_workers"}
+# far. `epochs` may grow only when the LR schedule does not depend on it; extra_epochs (the safety net) only
+# decides what happens after the budget, so a checkpoint written before fast.yaml turned it on resumes with it.
+RESUMABLE_CHANGES = {"epochs", "target_accuracy", "patience", "eval_batch_size", "num_workers", "extra_epochs"}
 
 
 class CheckpointError(UserError):

@@ -30,6 +30,9 @@ class Recipe:
     epochs: int = 40                  # maximum number of training epochs
     target_accuracy: float = 0.85     # validation accuracy (fraction) that counts as reached
     patience: int = 2                 # stop after this many consecutive epochs at or above the target
+    extra_epochs: int = 0             # safety net: when the budget `epochs` ends with the target still reachable
+                                      # within this many more epochs (streak + extra >= patience), train on, each
+                                      # extra epoch at the budget's last epoch's learning rates (0 = off)
     # --- batch and learning rate
     batch_size: int = 32              # images per process per step (per_device_batch_size)
     base_lr: float = 0.01             # learning rate at reference_batch_size images per step
@@ -156,7 +159,7 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"base_lr must be a positive number (got {r.base_lr})")
     if not 0.0 <= r.target_accuracy <= 1.0:
         problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
-    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "anneal_epochs"):
+    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "anneal_epochs", "extra_epochs"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
     # momentum 1 never forgets a gradient (the steps grow without bound); label_smoothing 1 leaves no label
@@ -266,14 +269,20 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
     """Per-step learning-rate multiplier: constant, or linear warmup then linear decay to zero at the
     last step of the epoch budget (so the budget `epochs` is part of the recipe, not a guess), or earlier,
     after `anneal_epochs`: the epochs after it train at lr 0, which makes the one before the last
-    (the first of the two the stopping rule needs) already an annealed model (docs/optimizations.md, 6c)."""
+    (the first of the two the stopping rule needs) already an annealed model (docs/optimizations.md, 6c).
+    Past the budget (only the safety net's extra_epochs go there) every epoch replays the budget's last
+    epoch: with linear decay, from the rate that epoch began at down to where it ended (0 at the end of the
+    budget; lr 0 would train nothing), so each extra epoch ends annealed, like the last one of the budget."""
     end = min(recipe.anneal_epochs, recipe.epochs) if recipe.anneal_epochs > 0 else recipe.epochs
     total = round(end * steps_per_epoch)
     warmup = round(recipe.warmup_epochs * steps_per_epoch)
+    budget = recipe.epochs * steps_per_epoch
 
     def factor(step: int) -> float:
         if recipe.lr_schedule == "constant":
             return 1.0
+        if step >= budget:  # a safety-net epoch: the step of the budget's last epoch at the same position
+            step = budget - steps_per_epoch + (step - budget) % steps_per_epoch
         if step < warmup:
             return (step + 1) / warmup
         return max(0.0, (total - step) / max(1, total - warmup))

@@ -28,9 +28,17 @@ def git_commit() -> str:
 
 
 def epoch_line(m: dict) -> str:
-    return (f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
+    """The course's epoch line; on its own line after it, the safety net's note when it fired at this epoch
+    (Progress.end_epoch), so that a parser of the course lines sees them unchanged."""
+    line = (f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
             f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
             f"Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}")
+    if "safety_net" not in m:
+        return line
+    net = m["safety_net"]
+    return (f"{line}\nSafety net: the target was met {net['streak']} of {net['patience']} epochs in a row when the "
+            f"{net['budget']}-epoch budget ended; training on for up to {net['extra_epochs']} more epoch(s), "
+            f"each at the learning rates of epoch {net['budget']} (recipe key extra_epochs)")
 
 
 @dataclass
@@ -54,21 +62,44 @@ class Progress:
         """The position after `steps_done` steps of the current epoch (for a checkpoint on a stop signal)."""
         return dataclasses.replace(self, step=steps_done, epoch_time_so_far=seconds)
 
-    def end_epoch(self, metrics: dict, target_accuracy: float, patience: int) -> bool:
+    def end_epoch(self, metrics: dict, recipe) -> bool:
         """Record a finished epoch; True when the target was met `patience` epochs in a row. Every rank
-        holds the same all-reduced accuracy, so every rank takes the same decision."""
+        holds the same all-reduced accuracy, so every rank takes the same decision. Marks `metrics` (before
+        they are printed and logged) when the safety net fires at the budget's end ("safety_net") and in
+        each epoch it adds ("extra_epoch": 1, 2, ...)."""
         self.history.append(metrics)
-        self.streak = self.streak + 1 if metrics["val_accuracy"] >= target_accuracy else 0
+        self.streak = self.streak + 1 if metrics["val_accuracy"] >= recipe.target_accuracy else 0
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
-        return self.streak >= patience
+        if self.epoch > recipe.epochs:
+            metrics["extra_epoch"] = self.epoch - recipe.epochs
+        done = self.streak >= recipe.patience
+        if not done and self.epoch == recipe.epochs and self.safety_net_open(recipe):
+            metrics["safety_net"] = {"budget": recipe.epochs, "extra_epochs": recipe.extra_epochs,
+                                     "streak": self.streak, "patience": recipe.patience}
+        return done
+
+    def safety_net_open(self, recipe) -> bool:
+        """After the budget (`epochs`): can the target still be met `patience` epochs in a row within the
+        extra_epochs left? The rule needs nothing but the epoch and the streak, so a resumed run decides alike."""
+        left = recipe.epochs + recipe.extra_epochs - self.epoch
+        return left > 0 and self.streak + left >= recipe.patience
+
+    def epochs(self, recipe):
+        """The epochs (0-based) the loop runs from here: the rest of the budget, then the safety net's while
+        it is open. Reads `epoch` afresh each time, after the loop's end_epoch has moved it on."""
+        while self.epoch < recipe.epochs or self.safety_net_open(recipe):
+            yield self.epoch
 
 
 def final_line(progress: Progress, recipe, stopped_early: bool) -> str:
-    """Rank 0's last line: the target met `patience` epochs in a row, or not within the budget."""
+    """Rank 0's last line: the target met `patience` epochs in a row, or not within the budget (and the
+    safety net's epochs, if it fired)."""
+    extra = min(progress.epoch - recipe.epochs, recipe.extra_epochs)  # > 0: the safety net added epochs
     if stopped_early:
-        return f"Early stopping after epoch {progress.epoch}"
+        note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
+        return f"Early stopping after epoch {progress.epoch}{note}"
     return (f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row within "
-            f"{recipe.epochs} epochs")
+            f"{recipe.epochs} epochs" + (f" and {extra} safety-net epoch(s)" if extra > 0 else ""))
 
 
 def run_header(**fields) -> dict:
