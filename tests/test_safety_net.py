@@ -130,7 +130,8 @@ def test_the_net_fires_logs_and_resumes_inside_an_extra_epoch(cifar_dir, tmp_pat
     run = launcher(trainer, cifar_dir, tmp_path / "ck_b")
     env = (cpu_env if trainer == "raw" else accel_env)(CIFAR_WRN_TEST_STOP_AT="3,2")
     stopped = run(*keys, "--log-json", tmp_path / "b.jsonl", env=env)
-    assert stopped.returncode == PREEMPTED_EXIT and "stopped by a signal at epoch 3" in stopped.stderr, \
+    # raw_ddp.py exits 75; accelerate launch reports its child's 75 as 1
+    assert stopped.returncode in (PREEMPTED_EXIT, 1) and "stopped by a signal at epoch 3" in stopped.stderr, \
         stopped.stderr[-3000:]
     resumed = run(*keys, "--auto-resume", "--save", tmp_path / "b.pt", "--log-json", tmp_path / "b.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
