@@ -22,29 +22,48 @@ def warmed_up_decay(decay: float, num_updates):
     return min(decay, (1 + num_updates) / (10 + num_updates))
 
 
-def ema_update_with_warmup(decay: float):
-    """A multi_avg_fn for AveragedModel: EMA with the warm-up above.
+class WarmedUpEMA(AveragedModel):
+    """AveragedModel with the warm-up above, and no host synchronisation per update.
 
-    Not free of host synchronisation on CUDA (measured on an H200): the lerp with a tensor weight
-    syncs once per update, and AveragedModel.update_parameters tests its counter twice more
-    (docs/optimizations.md, 7-12)."""
+    AveragedModel.update_parameters reads its device counter `n_averaged` twice per update (`== 0` to copy
+    the first time, `> 0` to average later), and a decay computed from that counter on the device reaches
+    torch._foreach_lerp_ as a tensor that the host must read: three waits for the GPU per step, measured on
+    an H200 (docs/optimizations.md, 7-12). Here a Python int, `updates`, mirrors the counter: the decay is
+    computed on the host, in float32 as before, so the averages are bit for bit those of the device-counter
+    version (tests/test_agreement.py). `n_averaged` still counts on the device (it is in state_dict and
+    checkpoints); load_state_dict reads it once into the mirror."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        # device=: on GPUs AveragedModel would otherwise keep its counter on the CPU
+        super().__init__(model, device=next(model.parameters()).device, use_buffers=True)
+        self.decay, self.updates = decay, 0
+
     @torch.no_grad()
-    def update(ema_tensors, model_tensors, num_updates):
-        if torch.is_floating_point(ema_tensors[0]):
-            weight = 1 - warmed_up_decay(decay, num_updates.to(torch.float32))
-            torch._foreach_lerp_(ema_tensors, model_tensors, weight)
-        else:  # BatchNorm's num_batches_tracked: a counter, copied rather than averaged
-            torch._foreach_copy_(ema_tensors, model_tensors)
-    return update
+    def update_parameters(self, model: nn.Module) -> None:
+        averaged = [*self.module.parameters(), *self.module.buffers()]
+        current = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        if self.updates == 0:  # the first update copies
+            torch._foreach_copy_(averaged, current)
+        else:
+            # the float32 arithmetic of the device version, on a CPU tensor: no wait for the GPU
+            weight = (1 - warmed_up_decay(self.decay, torch.tensor(float(self.updates)))).item()
+            pairs = list(zip(averaged, current))
+            floats = [pair for pair in pairs if torch.is_floating_point(pair[0])]
+            counters = [pair for pair in pairs if not torch.is_floating_point(pair[0])]  # num_batches_tracked:
+            torch._foreach_lerp_(*map(list, zip(*floats)), weight)
+            torch._foreach_copy_(*map(list, zip(*counters)))  # copied rather than averaged
+        self.n_averaged += 1
+        self.updates += 1
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.updates = int(self.n_averaged.item())  # once, on resume
+        return result
 
 
-def build_ema(model: nn.Module, decay: float) -> AveragedModel:
-    """An averaged copy of `model` on the model's own device, BatchNorm statistics averaged too.
-
-    device= matters on GPUs: without it AveragedModel keeps its `n_averaged` counter on the CPU.
-    """
-    device = next(model.parameters()).device
-    return AveragedModel(model, device=device, multi_avg_fn=ema_update_with_warmup(decay), use_buffers=True)
+def build_ema(model: nn.Module, decay: float) -> WarmedUpEMA:
+    """An averaged copy of `model` on the model's own device, BatchNorm statistics averaged too."""
+    return WarmedUpEMA(model, decay)
 
 
 def evaluated_network(eval_model: nn.Module) -> nn.Module:

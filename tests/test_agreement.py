@@ -103,6 +103,37 @@ def test_ema_warms_up_and_lives_on_the_model_device():
         assert torch.allclose(averaged, decay * old + (1 - decay) * new, atol=1e-6)
 
 
+def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did():
+    """WarmedUpEMA keeps its counter on the host; the AveragedModel it replaced (issue 25) read it on the
+    device (`multi_avg_fn` below is that version's). Ten updates of moving weights and BatchNorm statistics:
+    every tensor bit for bit equal, and a state_dict round trip carries the counter on."""
+    def device_counter_update(ema_tensors, model_tensors, num_updates):  # the replaced multi_avg_fn
+        if torch.is_floating_point(ema_tensors[0]):
+            weight = 1 - ema_module.warmed_up_decay(0.99, num_updates.to(torch.float32))
+            torch._foreach_lerp_(ema_tensors, model_tensors, weight)
+        else:
+            torch._foreach_copy_(ema_tensors, model_tensors)
+    torch.manual_seed(0)
+    model = WideResNet(width=4)
+    ema = ema_module.build_ema(model, decay=0.99)
+    reference = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=device_counter_update, use_buffers=True)
+    for _ in range(10):
+        with torch.no_grad():
+            model(torch.randn(8, 3, 32, 32))  # training mode: new BatchNorm statistics and counters
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ema.update_parameters(model)
+        reference.update_parameters(model)
+    assert all(torch.equal(a, b) for a, b in zip(ema.state_dict().values(), reference.state_dict().values()))
+    assert ema.updates == 10
+    resumed = ema_module.build_ema(WideResNet(width=4), decay=0.99)
+    resumed.load_state_dict(ema.state_dict())
+    assert resumed.updates == 10
+    for averaged in (ema, resumed):
+        averaged.update_parameters(model)
+    assert all(torch.equal(a, b) for a, b in zip(ema.state_dict().values(), resumed.state_dict().values()))
+
+
 def record_evaluation_broadcasts(monkeypatch, entry_point, owner, name):
     """Wrap owner.<name> (the broadcast the entry point calls) and entry_point.build_ema (to find the EMA)."""
     calls, emas = [], []
