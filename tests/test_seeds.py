@@ -1,0 +1,90 @@
+"""Seeds as a measurement (issue 25): bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
+bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three)."""
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import REPO, run
+
+sys.path.insert(0, str(REPO / "bench"))
+import seeds  # noqa: E402
+import seeds_summary  # noqa: E402
+
+RECIPE = {"epochs": 4, "target_accuracy": 0.85, "patience": 2, "extra_epochs": 1, "base_lr": 0.4}
+
+
+def write_log(path, seed, accuracies, recipe=None, resumed_at=None):
+    """A trainer's JSON log: a header, then one record per epoch; resumed_at=k appends a second header and the
+    epochs from k on again (what a run resumed in epoch k writes; the earlier copy of epoch k is stale)."""
+    header = {"kind": "header", "recipe": {**RECIPE, **(recipe or {}), "seed": seed}}
+    records = [header] + [{"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
+                          for i, a in enumerate(accuracies)]
+    if resumed_at:
+        records[resumed_at]["val_accuracy"] = 0.0  # stale: the resumed run redid this epoch
+        records += [dict(header, resumed_at={"epoch": resumed_at, "step": 3})]
+        records += [{"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
+                    for i, a in enumerate(accuracies) if i + 1 >= resumed_at]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_per_epoch_statistics_and_criterion_counts(tmp_path):
+    logs = [write_log(tmp_path / "s0.jsonl", 0, [0.75, 0.82, 0.852, 0.866]),            # met at epoch 4
+            write_log(tmp_path / "s1.jsonl", 1, [0.74, 0.86, 0.851]),                   # met at epoch 3
+            write_log(tmp_path / "s2.jsonl", 2, [0.76, 0.80, 0.849, 0.866, 0.86], resumed_at=3)]  # the net
+    runs, notes = seeds_summary.load_runs(logs)
+    assert notes == [] and [len(r["epochs"]) for r in runs] == [4, 3, 5]  # the resumed log is one run
+    rows = {row["epoch"]: row for row in seeds_summary.per_epoch(runs)}
+    assert rows[3]["mean"] == pytest.approx((0.852 + 0.851 + 0.849) / 3)
+    assert (rows[3]["min"], rows[3]["max"], rows[3]["n"]) == (0.849, 0.852, 3)
+    assert rows[3]["std"] == pytest.approx(0.0015275, rel=1e-4)  # sample standard deviation (n - 1)
+    assert [rows[k]["met"] for k in (1, 2, 3, 4, 5)] == [0, 0, 1, 2, 3]
+    assert rows[5]["n"] == 1 and math.isnan(rows[5]["std"])
+    text = seeds_summary.render(runs, notes)
+    assert "| 3 | 3 | 0.8507 | 0.8490 | 0.8520 | 0.0015 | 1/3 |" in text
+    assert "| s2 | 2 | 0.7600 / 0.8000 / 0.8490 / 0.8660 / 0.8600 | epoch 5 (safety net) | 50.00 |" in text
+    assert "| s1 | 1 | 0.7400 / 0.8600 / 0.8510 | epoch 3 | 30.00 |" in text
+    assert "note:" not in text
+
+
+def test_other_recipes_and_unreadable_logs_are_named(tmp_path):
+    logs = [write_log(tmp_path / "a.jsonl", 0, [0.8, 0.86, 0.87]),
+            write_log(tmp_path / "b.jsonl", 1, [0.8, 0.86, 0.87], recipe={"base_lr": 0.2})]
+    (tmp_path / "cut.jsonl").write_text('{"kind": "header", "recipe": {}}\n{"kind": "epo')  # killed mid-write
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"kind": "header", "recipe": RECIPE}) + "\n")
+    runs, notes = seeds_summary.load_runs(seeds_summary.log_paths([tmp_path]))
+    assert [r["name"] for r in runs] == ["a", "b"]
+    assert [n.split(":")[0] for n in notes] == [str(tmp_path / "cut.jsonl"), str(tmp_path / "empty.jsonl")]
+    assert "no epoch finished" in notes[1]
+    assert "note: the runs differ in base_lr, not only in seed" in seeds_summary.render(runs, notes)
+
+
+def test_summary_command_line(tmp_path):
+    write_log(tmp_path / "s0.jsonl", 0, [0.8, 0.86, 0.87])
+    ok = run([sys.executable, "bench/seeds_summary.py", tmp_path], timeout=60)
+    assert ok.returncode == 0 and "| 2 | 1 | 0.8600 |" in ok.stdout, ok.stderr
+    missing = run([sys.executable, "bench/seeds_summary.py", tmp_path / "nope.jsonl"], timeout=60)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_seed_plans():
+    assert seeds.lever_lines(3, first=0, sets=[]) == ["seed=0", "seed=1", "seed=2"]
+    assert seeds.lever_lines(2, first=5, sets=["muon=true", "bn_lr_scale=8"]) == [
+        "muon=true bn_lr_scale=8 seed=5", "muon=true bn_lr_scale=8 seed=6"]
+    commands = seeds.cpu_commands("fast", 2, first=1, sets=["batch_size=64"], out="o", extra=["--data-dir", "d"])
+    assert [c[-1] for c in commands] == ["o/seed-1.jsonl", "o/seed-2.jsonl"]
+    assert commands[0][:2] == [sys.executable, "raw_ddp.py"] and ["--set", "seed=1"] == commands[0][-4:-2]
+    assert "--num-gpus" in commands[0] and "--auto-resume" in commands[0]
+
+
+def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path):
+    result = run([sys.executable, "bench/seeds.py", "--seeds", 2, "--first", 3, "--recipe", "baseline",
+                  "--out", tmp_path, "--set", "eval_batch_size=64", "--num-gpus", 2, "--device", "cpu",
+                  "--model-width", 4, "--data-dir", cifar_dir, "--train-subset", 64, "--val-subset", 101,
+                  "--epochs", 1], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 runs;" in result.stdout and "| seed-3 | 3 |" in result.stdout and "| seed-4 | 4 |" in result.stdout
+    assert "note:" not in result.stdout  # the two runs differ only in seed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-seed-3", "ckpt-seed-4", "seed-3.jsonl", "seed-4.jsonl"]
