@@ -11,7 +11,8 @@ keeps the later record of a repeated epoch) and prints two markdown tables:
   - per run: its seed, accuracy per epoch, the epoch it met the criterion at (marked when the safety net's extra
     epochs were needed) and its Cumulative Time there.
 A note names any recipe key other than `seed` that differs between the runs (then they are not seeds of one
-recipe); a log that cannot be read is named and left out. Bad arguments: one `error:` line, exit 2.
+recipe); a log that cannot be read is named and left out. --group summarises each recipe apart (a lever sweep
+at several seeds each). Bad arguments: one `error:` line, exit 2.
 """
 import argparse
 import json
@@ -94,6 +95,24 @@ def render(runs, notes) -> str:
     return "\n".join(lines)
 
 
+def by_recipe(runs) -> list[tuple[str, list[dict]]]:
+    """--group: the runs in groups of one recipe each (seed aside), the largest group first (the reference);
+    each group named by its keys that differ from the reference's."""
+    groups = {}
+    for run in runs:
+        key = json.dumps({k: v for k, v in run["recipe"].items() if k not in IGNORED_KEYS}, sort_keys=True)
+        groups.setdefault(key, []).append(run)
+    ordered = sorted(groups.values(), key=len, reverse=True)
+    reference = ordered[0][0]["recipe"]
+    named = []
+    for group in ordered:
+        recipe = group[0]["recipe"]
+        changes = [f"{k}={recipe.get(k)}" for k in sorted(set(recipe) | set(reference))
+                   if k not in IGNORED_KEYS and recipe.get(k) != reference.get(k)]
+        named.append((" ".join(changes) or "the reference recipe (the largest group)", group))
+    return named
+
+
 def log_paths(arguments) -> list[Path]:
     paths = []
     for argument in map(Path, arguments):
@@ -109,13 +128,22 @@ def log_paths(arguments) -> list[Path]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="+", help="JSON logs of the runs, or folders holding them (*.jsonl)")
+    p.add_argument("--group", action="store_true",
+                   help="one summary per recipe (runs that differ only in seed), the largest group first")
     args = p.parse_args(argv)
     try:
         paths = log_paths(args.logs)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(render(*load_runs(paths)))
+    runs, notes = load_runs(paths)
+    if not args.group or not runs:
+        print(render(runs, notes))
+        return 0
+    for note in notes:
+        print(f"note: {note}")
+    for name, group in by_recipe(runs):
+        print(f"\n### {name}\n{render(group, [])}")
     return 0
 
 

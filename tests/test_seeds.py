@@ -61,6 +61,17 @@ def test_other_recipes_and_unreadable_logs_are_named(tmp_path):
     assert "note: the runs differ in base_lr, not only in seed" in seeds_summary.render(runs, notes)
 
 
+def test_group_summarises_each_recipe_apart(tmp_path):
+    logs = [write_log(tmp_path / f"fast{k}.jsonl", k, [0.8, 0.85, 0.86]) for k in range(3)]
+    logs += [write_log(tmp_path / f"muon{k}.jsonl", k, [0.8, 0.84, 0.86], recipe={"base_lr": 0.2}) for k in range(2)]
+    groups = seeds_summary.by_recipe(seeds_summary.load_runs(logs)[0])
+    assert [(name, len(runs)) for name, runs in groups] == [
+        ("the reference recipe (the largest group)", 3), ("base_lr=0.2", 2)]
+    text = run([sys.executable, "bench/seeds_summary.py", "--group", tmp_path], timeout=60).stdout
+    assert "### base_lr=0.2\n" in text and "| 2 | 2 | 0.8400 |" in text and "| 2 | 3 | 0.8500 |" in text
+    assert "not only in seed" not in text
+
+
 def test_summary_command_line(tmp_path):
     write_log(tmp_path / "s0.jsonl", 0, [0.8, 0.86, 0.87])
     ok = run([sys.executable, "bench/seeds_summary.py", tmp_path], timeout=60)
@@ -86,5 +97,32 @@ def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path)
                   "--epochs", 1], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 runs;" in result.stdout and "| seed-3 | 3 |" in result.stdout and "| seed-4 | 4 |" in result.stdout
-    assert "note:" not in result.stdout  # the two runs differ only in seed
+    assert "not only in seed" not in result.stdout  # the two runs differ only in seed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-seed-3", "ckpt-seed-4", "seed-3.jsonl", "seed-4.jsonl"]
+
+
+def test_sync_counter_attributes_each_warning_to_its_phase_and_line():
+    import warnings
+    import sync_count
+
+    def two_syncs():
+        warnings.warn("called a synchronizing CUDA operation")  # what set_sync_debug_mode("warn") raises
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+        return 7
+    sync = sync_count.SyncCounter()
+    assert sync("ema", two_syncs) == 7 and sync("optimizer", lambda: None) is None
+    assert sync.counts == {"ema": 2}
+    assert all(source.startswith("tests/test_seeds.py:") for source in sync.sources["ema"])
+    assert sum(sync.sources["ema"].values()) == 2
+    assert "| ema | 0.5 | tests/test_seeds.py:" in sync_count.report(sync, 4, "cuda")
+
+
+def test_sync_count_runs_the_fast_step_on_the_cpu():
+    """A smoke test for the GPU session: the script runs the whole step (DDP, EMA, StepGuard) and prints its table."""
+    result = run([sys.executable, "bench/sync_count.py", "--device", "cpu", "--model-width", 4, "--steps", 2,
+                  "--warmup", 1, "--set", "batch_size=8"], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| ema | 0 |" in result.stdout and "| all | 0 |" in result.stdout
+    bad = run([sys.executable, "bench/sync_count.py", "--device", "cpu", "--set", "data_pipeline=dataloader"])
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
