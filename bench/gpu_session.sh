@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
-# Every GPU check of the challenge (issues #5, #12) in one call of under 10 minutes, for a session that is
-# lent one GPU for a few minutes. Each step has its own time limit and the whole script a deadline,
-# so a slow step costs its own numbers, never the others'. Everything printed goes to
-# $OUT/session.log (default runs/gpu_session/); copy the tables into docs/benchmarks.md.
+# The GPU checks of issue #25 in one call of under 9 minutes on one GPU (an H200), for a session that is lent
+# a GPU for 15 minutes in all (start-up and transfers included). Each step has its own time limit and the
+# whole script a deadline, so a slow step costs its own numbers, never the others'. In order of priority:
+#   1. fast_alone: recipes/fast.yaml to the criterion alone on the GPU (bench/time_to_target.py): seed 0 of the
+#      ten seeds, and the only epoch times of this session that are a measurement (the time-to-target row);
+#   2. sync_count: host synchronisations per training step of fast.yaml, by phase and source line
+#      (bench/sync_count.py, torch.cuda.set_sync_debug_mode("warn")); the EMA's row should read 0 since
+#      cifar_wrn/ema.py keeps its counter on the host;
+#   3. sweep: one bench/gpu_sweep.sh call, four runs at a time (accuracy only; sharing the GPU changes no
+#      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 25b's levers at
+#      seeds 0-2 (bench/levers-25.txt: those keys exist once branch issue-25b is merged; until then each of
+#      its lines fails in seconds with "unknown recipe key"); lines past the deadline are not started;
+#   4. seeds_summary: bench/seeds_summary.py --group over every log: fast.yaml's ten seeds (the largest group,
+#      the reference) per epoch with mean / min / max / std and the criterion count, then each lever apart.
+# Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
+# 46-59 s with start-up; docs/runs/h200-sweep-2026-12-01/session-*.log: four at a time, 27 runs in 522 s, a run
+# every ~19 s): data ~15 s, fast_alone ~60 s, sync_count ~30 s, then the sweep gets ~410 s: 9 seeds and the
+# 12 first lever lines (21 runs, ~400 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
 #
 #   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
-#   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data), with that commit
+#   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data, timeout_s 600), with that commit
 #
-# Order = priority: the fast recipe to the criterion at the 2-GPU global batch (256 images per step),
-# alone on the GPU, so its epoch times are a measurement; then it without the BatchNorm re-estimation,
-# more seeds of it and the variants that tied with it in the 2026-12-01 sweep (bench/levers-next.txt,
-# four at a time through bench/gpu_sweep.sh:
-# accuracy only, their $OUT/sweep/ has its own session.log and logs.tar.gz), the data pipeline, and
-# last the checks the first H200 session (2026-11-30) already made: the per-step ablation, 2 baseline
-# epochs, the EMA host-sync check, torch.compile. The JSON logs of the runs made here go into
-# $OUT/logs.tar.gz, refreshed after every step.
-# DEADLINE (seconds, default 560) and DATA (default data) may be set in the environment.
+# Everything printed goes to $OUT/session.log (default runs/gpu_session/). The JSON logs come back as
+# $OUT/logs.tar.gz, refreshed after every step, its paths already under docs/runs/h200-issue25-DATE/: unpack it
+# in the repository root (tar xzf logs.tar.gz), then copy the tables into docs/benchmarks.md.
+# DEADLINE (seconds, default 540) and DATA (default data) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-runs/gpu_session}
 DATA=${DATA:-data}
-DEADLINE=${DEADLINE:-560}
+DEADLINE=${DEADLINE:-540}
+COMMIT=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
-LOGS=$(mktemp -d)   # the JSON logs, outside $OUT: the device returns 8 files at most
+STAGE=$(mktemp -d)   # outside $OUT: the device returns 8 files at most, so the logs come back as one tarball
+RUN=docs/runs/h200-issue25-$(date -u +%F)
+mkdir -p "$STAGE/$RUN/sweep"
 exec > >(tee "$OUT/session.log") 2>&1
 export PYTHONUNBUFFERED=1
+
+pack() { tar czf "$OUT/logs.tar.gz" -C "$STAGE" docs; }
 
 # step NAME LIMIT CMD...: run CMD with at most LIMIT seconds, and never past the deadline.
 step() {
@@ -36,32 +50,35 @@ step() {
     echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
     timeout --kill-after=10 "$limit" "$@"
     echo "=== $name: exit $? after $((SECONDS))s in all"
-    tar czf "$OUT/logs.tar.gz" -C "$LOGS" .   # after every step: whatever happens next, the logs come back
+    pack   # after every step: whatever happens next, the logs come back
 }
 
-echo "commit: ${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}   date: $(date -u +%F)"
+echo "commit: $COMMIT   date: $(date -u +%F)   deadline: ${DEADLINE}s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'accelerate', accelerate.__version__)"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
     step prepare_data 90 python3 .device_data/prepare_cifar10.py "$DATA"
 fi
 
 # One GPU with batch_size 256 sees the images of one step of 2 GPUs x 128 (fast.yaml); BatchNorm then
-# sees 256 images, not 128 per GPU, the one difference.
-FAST=(python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast --set batch_size=256)
-step fast_to_target 120 "${FAST[@]}" --keep-log "$LOGS/fast.jsonl"
-step lever_sweep 260 env OUT="$OUT/sweep" DATA="$DATA" DEADLINE=250 bash bench/gpu_sweep.sh "${1:-unknown}" \
-    bench/levers-next.txt
-step data_pipeline 30 python3 bench/data_pipeline.py --data-dir "$DATA" --device cuda --batches 190
-step train_step 60 python3 bench/train_step.py --device cuda --ablation --steps 20 --warmup 5 --repeats 2
-step baseline_2_epochs 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe baseline \
-    --epochs 2 --keep-log "$LOGS/baseline.jsonl"
-# Does the EMA update synchronise with the host? (2026-11-30: yes, three times per update; docs/optimizations.md 7-12)
-step ema_sync_check 30 python3 -c "
-import torch; from cifar_wrn.model import WideResNet; from cifar_wrn.ema import build_ema
-m = WideResNet().cuda(); e = build_ema(m, 0.99); e.update_parameters(m); torch.cuda.synchronize()
-torch.cuda.set_sync_debug_mode('warn'); [e.update_parameters(m) for _ in range(3)]; torch.cuda.synchronize()
-print('EMA updates done; any host-sync warning above comes from them')"
-step fast_compile 120 "${FAST[@]}" --keep-log "$LOGS/fast_compile.jsonl" --set compile=true
-echo "=== done at t=${SECONDS}s"
+# sees 256 images, not 128 per GPU, the one difference. Every run below uses it.
+step fast_alone 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast \
+    --set batch_size=256 --keep-log "$STAGE/$RUN/fast-seed-0-alone.jsonl"
+step sync_count 60 bash -c "set -o pipefail; python3 bench/sync_count.py --set batch_size=256 | tee '$STAGE/$RUN/sync_count.md'"
+
+levers="$STAGE/levers.txt"
+python3 bench/seeds.py --seeds 9 --first 1 --emit > "$levers"
+cat bench/levers-25.txt >> "$levers"
+sweep_deadline=$((DEADLINE - SECONDS - 30))   # room for the summary and the last tarball
+step sweep $((sweep_deadline + 20)) env OUT="$OUT/sweep" DATA="$DATA" DEADLINE="$sweep_deadline" \
+    bash bench/gpu_sweep.sh "$COMMIT" "$levers"
+if [ -f "$OUT/sweep/logs.tar.gz" ]; then
+    tar xzf "$OUT/sweep/logs.tar.gz" -C "$STAGE/$RUN/sweep" && rm -f "$STAGE/$RUN"/sweep/*.out
+    cp "$OUT/sweep/session.log" "$STAGE/$RUN/sweep/session.log" 2>/dev/null
+fi
+pack
+echo "=== seeds_summary (t=${SECONDS}s): fast.yaml's seeds first (the largest group), then each lever"
+python3 bench/seeds_summary.py --group "$STAGE/$RUN" "$STAGE/$RUN/sweep" | tee "$STAGE/$RUN/seeds_summary.md"
+pack
+echo "=== done at t=${SECONDS}s; logs: $OUT/logs.tar.gz (unpack in the repository root: $RUN/)"
