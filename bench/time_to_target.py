@@ -47,6 +47,8 @@ def run(recipe: str, args, extra, keep_log=None) -> str:
     hit = criterion_epoch(epochs, r["target_accuracy"], r["patience"])
     rate = sum(e["images_per_sec"] for e in epochs) / len(epochs)
     reached = f"epoch {hit['epoch']}" if hit else "not reached"
+    if hit and hit["epoch"] > r["epochs"]:  # met in an epoch the safety net added (extra_epochs)
+        reached += " (safety net)"
     cumulative = f"{hit['cumulative_time']:.2f}" if hit else f"({epochs[-1]['cumulative_time']:.2f} for all)"
     per_epoch = sum(e["epoch_time"] for e in epochs) / len(epochs)
     return (f"| {recipe} | {header['world_size']} | {len(epochs)} | {reached} | {cumulative} | {per_epoch:.2f} | "
