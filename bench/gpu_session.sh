@@ -8,9 +8,8 @@
 #      (bench/sync_count.py, torch.cuda.set_sync_debug_mode("warn")); the EMA's row should read 0 since
 #      cifar_wrn/ema.py keeps its counter on the host;
 #   3. sweep: one bench/gpu_sweep.sh call, four runs at a time (accuracy only; sharing the GPU changes no
-#      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 25b's levers at
-#      seeds 0-2 (bench/levers-25.txt: those keys exist once branch issue-25b is merged; until then each of
-#      its lines fails in seconds with "unknown recipe key"); lines past the deadline are not started;
+#      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 25's levers at
+#      seeds 0-2 (bench/levers-25.txt, seed by seed); lines past the deadline are not started;
 #   4. seeds_summary: bench/seeds_summary.py --group over every log: fast.yaml's ten seeds (the largest group,
 #      the reference) per epoch with mean / min / max / std and the criterion count, then each lever apart.
 # Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
