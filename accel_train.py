@@ -50,14 +50,14 @@ from cifar_wrn.checkpoint import (failure, fresh_folder, latest_checkpoint, publ
 from cifar_wrn.cli import (accelerate_launch_problem, add_training_flags, check_training_flags, launcher_name,
                            launcher_world_size, local_world_size, recipe_from_args, show_progress)
 from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            make_datasets, real_sample_mask, recalibration_batches, worker_options)
+                            loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training, check_supported
-from cifar_wrn.resilience import StepGuard, TestFaults, install_stop_handlers, preempted
+from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted, with_test_faults
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
 
 # The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
@@ -145,6 +145,7 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     if agreed_problem(problems):
         raise UserError(agreed_problem(problems))  # every rank stops, naming the node(s) and folder(s)
     train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)  # on the device, or per image
+    options = loader_options(recipe, device, rank)  # workers or not; a random generator of its own (cifar_wrn/data.py)
     if recipe.data_pipeline == "device":
         # NOT prepared: prepare() would deal this BatchSampler's batches out to the ranks, each rank getting 1/W of
         # its own shard; so the sharding stays explicit, as in raw_ddp.py (docs/accelerate.md explains).
@@ -153,23 +154,20 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
         val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
         val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches)  # A1.5 (by hand, see above)
-        val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches)
+        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # A1.5 (by hand)
+        val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)
         data = Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
                        train_sampler, train_batches, real_sample_mask(val_sampler))
     else:
         # Plain loaders over the whole data set. drop_last: a short last batch would change the step size
         # of that step and can leave BatchNorm a single image.
-        train_loader = DataLoader(train_set, batch_size=recipe.batch_size, shuffle=True, drop_last=True,
-                                  **worker_options(recipe, device))
-        val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, **worker_options(recipe, device))
+        train_loader = DataLoader(train_set, batch_size=recipe.batch_size, shuffle=True, drop_last=True, **options)
+        val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, **options)
         # A1.5: rank r gets batches r, r + W, r + 2W, ... of the shuffled order, moved to its device. The
         # validation loader is padded with repeats to equal length; gather_for_metrics drops them again.
         train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # A1.5
         data = Loaders(train_set, train_loader, val_loader, len(val_set), len(train_loader))
-    if data.steps_per_epoch == 0:
-        raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
-                        f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
+    require_a_step(data.steps_per_epoch, len(train_set), world_size, recipe.batch_size)
     data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)  # bn_recalibration (or [])
     return data
 
@@ -216,7 +214,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
             return  # that run had already finished
         log = open_log(args, recipe, accelerator, data, raw_model, lr, progress)
-        guard, faults = StepGuard(rank, world_size, device), TestFaults.for_rank(rank)  # agreement, test hooks
+        guard, criterion = StepGuard(rank, world_size, device), with_test_faults(criterion, rank)  # faults.py: tests
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
         for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
@@ -229,7 +227,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 labels = labels.to(device, non_blocking=True)
                 timer.mark("data")
                 with torch.autocast(**autocast):
-                    loss = faults.loss(criterion(model(images), labels), epoch, step)
+                    loss = criterion(model(images), labels)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss)  # DDP all-reduces gradient buckets here, overlapped with backward
@@ -241,7 +239,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
-                if guard.check(loss, epoch, step, data.steps_per_epoch,  # every 10 steps: stop? diverged?
+                if guard.check(loss, epoch, step, data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
                                lambda flags: accelerator.reduce(flags, reduction="sum")):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
                     raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(

@@ -45,14 +45,14 @@ from cifar_wrn.checkpoint import (checkpoint_path, failure, read_for_resume, res
 from cifar_wrn.cli import (add_training_flags, check_training_flags, free_port, launched_by_torchrun, port_from_env,
                            port_is_free, recipe_from_args, show_progress)
 from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            make_datasets, real_sample_mask, recalibration_batches, worker_options)
+                            loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training
-from cifar_wrn.resilience import StepGuard, TestFaults, install_stop_handlers, preempted
+from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted, with_test_faults
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
 
 
@@ -134,15 +134,14 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
     # SkipFirst lets a run resumed in the middle of an epoch leave out the batches already trained.
     train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
     val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
+    options = loader_options(recipe, device, rank)  # workers or not; a random generator of its own (cifar_wrn/data.py)
     if recipe.data_pipeline == "device":  # the dataset returns whole batches: no collation, no workers
-        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches)  # R1.5
-        val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches)  # R1.5
+        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # R1.5
+        val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)  # R1.5
     else:  # per-image transforms, in worker processes on GPU runs
-        train_loader = DataLoader(train_set, batch_sampler=train_batches, **worker_options(recipe, device))  # R1.5
-        val_loader = DataLoader(val_set, batch_sampler=val_batches, **worker_options(recipe, device))  # R1.5
-    if len(train_batches.batches) == 0:
-        raise UserError(f"{len(train_set)} training images over {world_size} processes give less than one "
-                        f"batch of {recipe.batch_size} per process: use more images or a smaller batch")
+        train_loader = DataLoader(train_set, batch_sampler=train_batches, **options)  # R1.5
+        val_loader = DataLoader(val_set, batch_sampler=val_batches, **options)  # R1.5
+    require_a_step(len(train_batches.batches), len(train_set), world_size, recipe.batch_size)
     return Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
                    train_sampler, train_batches, real_sample_mask(val_sampler),  # the mask leaves out padding
                    recalibration_batches(train_set, recipe, rank, world_size, device))  # bn_recalibration (or [])
@@ -190,7 +189,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
             return  # that run had already finished
         log = open_log(args, recipe, rank, world_size, device, data, raw_model, lr, progress)
-        guard, faults = StepGuard(rank, world_size, device), TestFaults.for_rank(rank)  # agreement, test hooks
+        guard, criterion = StepGuard(rank, world_size, device), with_test_faults(criterion, rank)  # faults.py: tests
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
         for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
@@ -204,7 +203,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 labels = labels.to(device, non_blocking=True)
                 timer.mark("data")
                 with torch.autocast(**autocast):
-                    loss = faults.loss(criterion(model(images), labels), epoch, step)
+                    loss = criterion(model(images), labels)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
@@ -216,7 +215,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
-                if guard.check(loss, epoch, step, data.steps_per_epoch,  # every 10 steps: stop? diverged?
+                if guard.check(loss, epoch, step, data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
                                lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
                     raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(

@@ -137,13 +137,29 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", None)
     if dtype is None or str(dtype) != "uint8" or len(shape) != 2 or shape[1] != 3 * 32 * 32:
         raise DataError(f"{path}: 'data' must be uint8 [N, 3072], found {dtype} {shape}")
-    labels = torch.as_tensor(list(labels), dtype=torch.int64)
+    labels = _labels(path, labels)
     if labels.numel() != shape[0]:
         raise DataError(f"{path}: {shape[0]} images but {labels.numel()} labels")
     if labels.numel() and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
         raise DataError(f"{path}: labels must be 0-9, found {labels.min().item()}..{labels.max().item()}")
     images = torch.from_numpy(data.copy()).view(-1, 3, 32, 32)
     return images, labels
+
+
+def _labels(path: Path, labels) -> torch.Tensor:
+    """'labels' as int64 [N] from a list (or 1-D array) of integers, else a DataError naming the file. None, a
+    number, strings, floats or nested lists must become that error, not a TypeError on one rank: load_splits
+    turns a DataError into the answer every rank shares."""
+    try:
+        values = torch.as_tensor(list(labels))
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        values = None
+    if values is None or values.numel() and (values.dim() != 1 or values.dtype.is_floating_point
+                                             or values.dtype.is_complex or values.dtype == torch.bool):
+        kinds = sorted({type(v).__name__ for v in labels}) if isinstance(labels, (list, tuple)) else []
+        found = f"a {type(labels).__name__} of {', '.join(kinds)}" if kinds else type(labels).__name__
+        raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {found}")
+    return values.to(torch.int64)
 
 
 def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,12 +206,22 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
             CIFAR10(*val_data, augment=False))
 
 
-def worker_options(recipe, device) -> dict:
-    """DataLoader options of the per-image pipeline: worker processes feed a GPU (pinned memory for the
-    copy); on a CPU run they would only take cores from training. Workers ignore stop signals."""
-    num_workers = recipe.num_workers if device.type == "cuda" else 0
-    return dict(num_workers=num_workers, pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
-                worker_init_fn=ignore_stop_signal)
+def loader_options(recipe, device, rank: int) -> dict:
+    """DataLoader options. Workers only for the per-image pipeline on a GPU (pinned memory for the copy); on a
+    CPU run they would only take cores from training, and the device pipeline's batches are cut on the device.
+    Workers ignore stop signals. And a random generator of the loader's own (seed + rank): every iterator
+    draws a base seed (the workers' seeds) from it, which without one it draws from the global stream that
+    dropout and the CPU augmentation use, so that a run resumed in the middle of an epoch, whose new iterator
+    draws once more, would train on with other dropout masks than the run it continues."""
+    num_workers = recipe.num_workers if device.type == "cuda" and recipe.data_pipeline == "dataloader" else 0
+    return dict(num_workers=num_workers, pin_memory=num_workers > 0, persistent_workers=num_workers > 0,
+                worker_init_fn=ignore_stop_signal, generator=torch.Generator().manual_seed(recipe.seed + rank))
+
+
+def require_a_step(steps_per_epoch: int, train_images: int, world_size: int, batch_size: int) -> None:
+    if steps_per_epoch == 0:
+        raise UserError(f"{train_images} training images over {world_size} processes give less than one "
+                        f"batch of {batch_size} per process: use more images or a smaller batch")
 
 
 @dataclass
@@ -376,22 +402,28 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
 def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
     """This rank's share of the recipe's `bn_recalibration` training images, for re-estimating the
     evaluated network's BatchNorm statistics: a fixed random subset (recipe.seed) dealt out to the
-    ranks (positions rank, rank + W, ...: together they see that many different images), normalised,
-    never augmented, in batches of recipe.batch_size on `device`, in the recipe's memory layout (a
-    short last batch only when it is the only one: every batch counts the same in the average). All
-    the training images if there are fewer (a --train-subset run of a full-data recipe). Made once,
-    before training; it draws nothing from the training data's random streams. [] when the key is 0."""
-    images, batch_size = recipe.bn_recalibration, recipe.batch_size
-    if images == 0:
+    ranks (positions rank, rank + W, ...: together they see different images), normalised, never
+    augmented, in batches of recipe.batch_size on `device`, in the recipe's memory layout. Every rank
+    gets the same number of equal batches, so every batch counts the same in the average, and with
+    sync_bn (a collective in every BatchNorm forward) no rank waits for a batch another rank does not
+    run: each rank uses N // W images (the smallest share), in (N // W) // B batches of B, or one
+    batch of N // W when that is less than B. So W * B * ((N // W) // B) images take part (fast.yaml on
+    2 processes: 2 x 19 x 128 = 4,864 of its 5,000; a multiple of W * B is used whole). N is all the
+    training images if there are fewer (a --train-subset run of a full-data recipe). Made once, before
+    training; it draws nothing from the training data's random streams. [] when the key is 0."""
+    images, batch_size = min(recipe.bn_recalibration, len(train_set)), recipe.batch_size
+    if recipe.bn_recalibration == 0:
         return []
     if images < world_size:
-        raise DataError(f"bn_recalibration={images}: needs at least one image per process ({world_size} processes)")
+        raise DataError(f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process "
+                        f"({world_size} processes)")
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
-    mine = order[:min(images, len(train_set))][rank::world_size]
+    per_rank = images // world_size
+    mine = order[:images][rank::world_size][:per_rank]
     share = DeviceBatches(train_set.images[mine], train_set.labels[mine], device, augment=False,
                           channels_last=recipe.channels_last)
-    starts = range(0, max(len(share) - batch_size, 0) + 1, batch_size)
-    return [share[torch.arange(start, min(start + batch_size, len(share)))][0] for start in starts]
+    size = min(batch_size, per_rank)
+    return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
 
 
 class DeviceBatches(Dataset):

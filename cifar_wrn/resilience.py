@@ -1,4 +1,4 @@
-"""Stopping together: stop signals, non-finite losses, and the test-only fault hooks, in one place.
+"""Stopping together: stop signals and non-finite losses, in one place.
 
 Nothing here talks to other processes. Where the ranks must agree, the entry point passes in its own
 collective (raw_ddp.py: dist.all_reduce; accel_train.py: accelerator.reduce), so every collective
@@ -6,18 +6,28 @@ stays visible there.
 
 Preemption: Slurm signals the launcher (SIGUSR1 from `--signal=B:USR1@120`) or every process of the
 step (SIGTERM at scancel, the time limit, a preemption); launchers pass stop signals on to their ranks.
-Each rank only sets a flag. Every CHECK_EVERY steps, and at each epoch's end, the ranks agree on the
+Each rank only sets a flag. At agreement steps, and at each epoch's end, the ranks agree on the
 flags (StepGuard.check), rank 0 writes a checkpoint, and every rank exits with PREEMPTED_EXIT.
+
+How often they agree: every CHECK_EVERY steps when steps are fast (each agreement costs a GPU
+synchronisation), but never much more than STOP_LATENCY seconds apart. Slurm sends SIGKILL 30 s
+(KillWait) after SIGTERM and torchrun's agent 30 s after passing SIGTERM on, so a fixed 10 steps
+of 9.5 s (the real model on 2 CPU processes) would lose the epoch. The interval is measured, and
+agreed: each rank times its own steps between agreements, the agreement carries every rank's time
+per step, and every rank picks the next interval from the slowest one, so all ranks pick the same.
 """
-import os
 import signal
+import time
 
 import torch
 
 from .errors import RunStopped
+from .faults import with_test_faults  # noqa: F401 (the entry points import the test-only faults from here)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a temporary failure, try again; the Slurm scripts requeue on it
-CHECK_EVERY = 10     # steps between agreements (each one costs a GPU synchronisation)
+CHECK_EVERY = 10     # the most steps between agreements (each one costs a GPU synchronisation)
+STOP_LATENCY = 2.0   # seconds: the agreement interval is the longest of INTERVALS whose steps fit in it
+INTERVALS = (10, 5, 2, 1)  # divisors of CHECK_EVERY: every 10th step stays an agreement step (progress.py)
 
 _stop_requested = False
 
@@ -39,45 +49,23 @@ def install_stop_handlers() -> None:
     signal.signal(signal.SIGTERM, request_stop)
 
 
-class TestFaults:
-    """Test-only fault injection, read from the environment once (all unset in real runs):
-    CIFAR_WRN_TEST_RAISE_IN_RANK=r        rank r raises before its first step
-    CIFAR_WRN_TEST_NAN_AT=r,epoch,step    rank r's loss becomes NaN at that step (1-based)
-    CIFAR_WRN_TEST_STOP_AT=epoch,step     every rank acts as if a stop signal arrived at that step
-    """
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.raise_in_rank = os.environ.get("CIFAR_WRN_TEST_RAISE_IN_RANK")
-        self.nan_at = os.environ.get("CIFAR_WRN_TEST_NAN_AT", "")
-        self.stop_at = os.environ.get("CIFAR_WRN_TEST_STOP_AT", "")
-
-    @classmethod
-    def for_rank(cls, rank: int) -> "TestFaults":
-        """This rank's hooks, called before its first step (CIFAR_WRN_TEST_RAISE_IN_RANK raises here)."""
-        faults = cls(rank)
-        if faults.raise_in_rank is not None and int(faults.raise_in_rank) == rank:
-            raise RuntimeError(f"injected test fault in rank {rank}")
-        return faults
-
-    def loss(self, loss: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
-        """`epoch` and `step` 0-based, as in the loops."""
-        if self.stop_at == f"{epoch + 1},{step + 1}":
-            request_stop()
-        if self.nan_at == f"{self.rank},{epoch + 1},{step + 1}":
-            return loss * float("nan")
-        return loss
-
-
 class StepGuard:
-    """Every CHECK_EVERY steps and at each epoch's end, all ranks answer two questions together, so that
-    they stop together at the same step: did any rank get a stop signal (slot 0), and at which step did
-    each rank first see a non-finite loss (slot 1 + rank, 0 = never)? Between checks the flags only
-    accumulate on the device, so the host never waits for the GPU."""
+    """At agreement steps and at each epoch's end, all ranks answer three questions together, so that they
+    stop together at the same step: did any rank get a stop signal (slot 0), at which step did each rank
+    first see a non-finite loss (slot 1 + rank, 0 = never), and how many seconds did each rank's steps take
+    since the last agreement (slot 1 + world_size + rank, 0 = not measured)? Between agreements the flags
+    only accumulate on the device, so the host never waits for the GPU.
 
-    def __init__(self, rank: int, world_size: int, device):
-        self.rank, self.world_size = rank, world_size
-        self.flags = torch.zeros(1 + world_size, device=device)
+    Agreement steps: those where (step + 1) is a multiple of `every`, which starts at 1 (the first steps of
+    a process may be slow: compilation, warm-up) and after each agreement becomes the longest of INTERVALS
+    whose steps, at the slowest rank's measured pace, take at most STOP_LATENCY seconds. A stop signal
+    therefore waits at most about max(STOP_LATENCY, one step) before the ranks act on it."""
+
+    def __init__(self, rank: int, world_size: int, device, clock=time.monotonic):
+        self.rank, self.world_size, self.clock = rank, world_size, clock
+        self.flags = torch.zeros(1 + 2 * world_size, device=device)
+        self.every = 1
+        self.since = None  # (epoch, step, clock) at the end of the last agreement: where the next measurement starts
 
     def check(self, loss: torch.Tensor, epoch: int, step: int, steps_per_epoch: int, agree) -> bool:
         """After each step (0-based epoch and step). `agree(flags)` is the entry point's collective: each
@@ -87,21 +75,25 @@ class StepGuard:
         first_bad = self.flags[1 + self.rank]
         self.flags[1 + self.rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1,
                                                 first_bad)
-        if (step + 1) % CHECK_EVERY and step + 1 != steps_per_epoch:
+        if (step + 1) % self.every and step + 1 != steps_per_epoch:
             return False
         flags = self.flags.clone()
         flags[0] = float(stop_requested())
+        if self.since is not None and self.since[0] == epoch and step > self.since[1]:  # not across validation
+            flags[1 + self.world_size + self.rank] = (self.clock() - self.since[2]) / (step - self.since[1])
         agreed = agree(flags)
-        agreed = flags if agreed is None else agreed  # the same answer on every rank
-        if not agreed.any():
-            return False
+        agreed = (flags if agreed is None else agreed).tolist()  # the same answer on every rank; waits for it
+        self.since = (epoch, step, self.clock())
+        seconds_per_step = max(agreed[1 + self.world_size:])
+        if seconds_per_step > 0:
+            self.every = next((n for n in INTERVALS if n * seconds_per_step <= STOP_LATENCY), 1)
         bad = {r: int(agreed[1 + r]) for r in range(self.world_size) if agreed[1 + r] > 0}
         if bad:
             raise RunStopped(f"non-finite loss in epoch {epoch + 1} on rank(s) "
                              f"{', '.join(f'{r} (first at step {s})' for r, s in bad.items())}: "
                              f"training diverged (try a lower learning rate or a longer warmup); "
                              f"every rank stopped at step {step + 1}", 1)
-        return True
+        return agreed[0] > 0
 
 
 def preempted(epoch: int, step: int, checkpoint_written: str | None) -> RunStopped:

@@ -181,6 +181,63 @@ def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifa
         recalibration_batches(train_set, replace(recipe, bn_recalibration=1), 0, 2, "cpu")
 
 
+def random_train_set(n: int) -> DeviceBatches:
+    generator = torch.Generator().manual_seed(0)
+    return DeviceBatches(torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=generator),
+                         torch.randint(0, 10, (n,), generator=generator), "cpu", augment=False)
+
+
+@pytest.mark.parametrize("images, world_size, batch_size", [(511, 2, 128), (5000, 2, 128), (100, 3, 16),
+                                                             (21, 4, 8), (7, 2, 128)])
+def test_recalibration_gives_every_rank_the_same_batches(images, world_size, batch_size):
+    """Equal batch counts (sync_bn runs a collective in every BatchNorm forward: 2 batches against 1 hung) and
+    equal batch sizes on every rank, as many images as the docstring says, no image twice."""
+    train_set = random_train_set(max(images, 600))
+    recipe = load_recipe("fast", {"bn_recalibration": images, "batch_size": batch_size, "channels_last": False})
+    shares = [recalibration_batches(train_set, recipe, rank, world_size, "cpu") for rank in range(world_size)]
+    sizes = [[len(batch) for batch in share] for share in shares]
+    assert all(s == sizes[0] for s in sizes) and len(set(sizes[0])) == 1, sizes
+    per_rank = images // world_size
+    assert sum(sizes[0]) == (per_rank if per_rank < batch_size else per_rank // batch_size * batch_size)
+    every = torch.cat([torch.cat(share) for share in shares]).flatten(1)
+    assert len(torch.unique(every, dim=0)) == len(every)
+
+
+SYNC_BN_STAND_IN = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, "tests")
+from cifar_wrn.ema import recalibrate_bn
+from cifar_wrn.data import recalibration_batches
+from cifar_wrn.recipe import load_recipe
+from test_fast import random_train_set
+
+class Collective(torch.nn.Module):  # what SyncBatchNorm does in each training-mode forward: a collective
+    def forward(self, x):
+        dist.all_reduce(x.mean().detach().clone())
+        return x
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
+recipe = load_recipe("fast", {"bn_recalibration": 511, "batch_size": 128, "channels_last": False})
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), Collective())
+batches = recalibration_batches(random_train_set(600), recipe, rank, 2, "cpu")
+recalibrate_bn(net, batches, dict(device_type="cpu", enabled=False), lambda t: dist.all_reduce(t, dist.ReduceOp.AVG))
+print("rank", rank, "recalibrated on", len(batches), "batches", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_recalibration_with_a_collective_per_forward_does_not_hang():
+    """2 ranks x 128 per batch, 511 images: the ranks once ran 2 and 1 batches, and a collective in each
+    forward (sync_bn's; it needs CUDA, so a stand-in module does the same here) left one rank waiting."""
+    from conftest import finish, free_port, start
+    port = free_port()
+    ranks = [start([sys.executable, "-c", SYNC_BN_STAND_IN, rank, port]) for rank in (0, 1)]
+    results = [finish(proc, 60) for proc in ranks]
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and f"rank {rank} recalibrated on 1 batches" in result.stdout, result.stderr
+
+
 def test_recalibrate_bn_leaves_the_training_random_stream_alone():
     """The re-estimation runs Dropout in training mode; the training's dropout masks must not shift because
     of it (they did before the fix: run 8 of docs/benchmarks.md left run 7's training after epoch 1)."""

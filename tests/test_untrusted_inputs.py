@@ -91,6 +91,21 @@ def test_crafted_batch_file_is_refused_and_runs_nothing(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
+BAD_LABELS = {"None": None, "a number": 3, "strings": ["cat"] * 4, "a string": "0123", "floats": [0.5] * 4,
+              "nested lists": [[1]] * 4, "too few": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("case", BAD_LABELS)
+def test_malformed_labels_are_a_data_error_naming_the_file(tmp_path, case):
+    """A DataError (what load_splits turns into the answer every rank shares), not a TypeError or ValueError."""
+    write_cifar(tmp_path, per_train_file=4, val_images=4)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    with open(path, "wb") as f:
+        pickle.dump({**synthetic_batch(4, seed=1), "labels": BAD_LABELS[case]}, f)
+    with pytest.raises(DataError, match=re.escape(f"{path}: ")):
+        load_split(tmp_path, train=True, subset=8)
+
+
 def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
     shutil.copytree(cifar_dir, tmp_path / "d")
     path = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_5"
