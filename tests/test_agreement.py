@@ -2,6 +2,7 @@
 acts on together, so that a run never trains mixed, and never leaves ranks waiting in a collective.
 Both entry points; two "nodes" are two launches on this machine meeting at one port."""
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -12,12 +13,13 @@ import torch
 import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
-from cifar_wrn.checkpoint import load_checkpoint, resume_disagreement, resume_problem, what_was_seen
+from cifar_wrn.checkpoint import load_checkpoint, read_training_state, resume_disagreement, resume_problem, what_was_seen
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw, start
+from conftest import (PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw,
+                      start, synthetic_batch)
 from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
 
 PREEMPTED_EXIT = 75
@@ -276,10 +278,36 @@ def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
         assert "Epoch = " not in node.stdout
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir, tmp_path, trainer, nodes):
+    """data_batch_1 whose labels are None (a TypeError on the rank that read it, once): 2 processes reading it,
+    or two "nodes" of which only node 1's copy is bad."""
+    shutil.copytree(cifar_dir, tmp_path / "bad")
+    path = tmp_path / "bad" / "cifar-10-batches-py" / "data_batch_1"
+    with open(path, "wb") as f:
+        pickle.dump({**synthetic_batch(PER_TRAIN_FILE, seed=1), "labels": None}, f)
+    data_dirs = [tmp_path / "bad"] if nodes == 1 else [cifar_dir, tmp_path / "bad"]
+    if trainer == "raw":
+        node_flags = [flags(data_dir, "--epochs", 1, "--num-gpus", 3 - nodes) for data_dir in data_dirs]
+        results = [run_raw(*node_flags[0], timeout=90)] if nodes == 1 else two_nodes(node_flags, timeout=90)
+    else:
+        node_flags = [[str(f) for f in reliability_flags(data_dir, "--epochs", 1)[1:]] for data_dir in data_dirs]
+        results = [accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *node_flags[0])] if nodes == 1 else \
+            two_accel_nodes(node_flags, timeout=90)
+    for result in results:
+        assert result.returncode != 0 and result.seconds < 60, result.stderr[-3000:]
+        assert f"node {nodes - 1}: {path}: 'labels' must be a list of integers 0-9, found NoneType" in result.stderr
+        assert "Traceback" not in result.stderr if trainer == "raw" else 'accel_train.py", line' not in result.stderr
+        assert "Epoch = " not in result.stdout
+
+
 # ----------------------------------------------------------------------------- stop signals
 
-def test_sigterm_to_every_process_checkpoints_and_resumes(cifar_dir, tmp_path):
-    """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank."""
+def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path):
+    """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank. The run resumed
+    in the middle of the epoch ends with the weights of a run never stopped, bit for bit (CPU: no loader workers;
+    dropout active). It did not while each new DataLoader iterator drew its seed from the global random stream."""
     long_epochs = ["--num-gpus", 2, "--batch-size", 4, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]
     proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")])
     from conftest import wait_for_epoch
@@ -290,11 +318,16 @@ def test_sigterm_to_every_process_checkpoints_and_resumes(cifar_dir, tmp_path):
     assert "stopped by a signal at epoch 2, step" in result.stderr and "checkpoint written" in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
     assert checkpoint["epoch"] == 1 and 0 < checkpoint["step"] < 40
-    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl"))
+    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl",
+                             "--save", tmp_path / "resumed.pt"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"epoch 2, step {checkpoint['step']} of 40" in resumed.stdout
     _, epochs = read_log(tmp_path / "l.jsonl")
     assert [e["epoch"] for e in epochs] == [1, 2]
+    straight = run_raw(*flags(cifar_dir, *long_epochs[:-2], "--save", tmp_path / "straight.pt"))
+    assert straight.returncode == 0, straight.stderr
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------- --profile after such a resume
@@ -302,19 +335,29 @@ def test_sigterm_to_every_process_checkpoints_and_resumes(cifar_dir, tmp_path):
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path, trainer):
     """A stop at the epoch's last step leaves a checkpoint with step == steps_per_epoch: the resumed epoch
-    runs no step, and --profile must still report it (it once used the batch of a step never run)."""
-    ck = tmp_path / "ck"
+    runs no step, and --profile must still report it (it once used the batch of a step never run). Epochs of
+    one step (64 images, 2 x 32) make every stop one at an epoch's last step: a real SIGTERM, whenever it comes."""
+    ck, one_step = tmp_path / "ck", ["--train-subset", 64, "--checkpoint-dir", tmp_path / "ck"]
     if trainer == "raw":
-        run = lambda *extra, env=None: run_raw("--num-gpus", 2, *flags(cifar_dir, "--checkpoint-dir", ck, *extra),
-                                               env=env)
+        command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *flags(cifar_dir, *one_step, *extra)]
+        env, state = cpu_env(), lambda: load_checkpoint(ck)
     else:
-        run = lambda *extra, env=None: accelerate_launch(
-            CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ck, *extra), env=env)
-    stopped = run("--epochs", 2, env=(cpu_env if trainer == "raw" else accel_env)(CIFAR_WRN_TEST_STOP_AT="1,5"))
-    assert "stopped by a signal at epoch 1, step 5" in stopped.stderr, stopped.stderr[-2000:]
-    resumed = run("--epochs", 2, "--resume", "--profile", "--log-json", tmp_path / "l.jsonl")
+        command = lambda *extra: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                  CONFIGS / "two_cpus.yaml", "--main_process_port", free_port(), "accel_train.py",
+                                  *reliability_flags(cifar_dir, *one_step, *extra)]
+        env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
+    proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)
+    from conftest import wait_for_epoch
+    wait_for_epoch(tmp_path / "stopped.jsonl")
+    os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, 90)
+    epoch = state()["epoch"]  # the epochs finished before the one stopped at its last step
+    assert state()["step"] == 1 and f"stopped by a signal at epoch {epoch + 1}, step 1" in stopped.stderr, \
+        stopped.stderr[-2000:]
+    resumed = finish(start(command("--epochs", epoch + 2, "--resume", "--profile", "--log-json", tmp_path / "l.jsonl"),
+                           env=env), 180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "epoch 1, step 5 of 5" in resumed.stdout and resumed.stdout.count("Epoch = ") == 2
+    assert f"epoch {epoch + 1}, step 1 of 1" in resumed.stdout and resumed.stdout.count("Epoch = ") == 2
     _, epochs = read_log(tmp_path / "l.jsonl")
     assert epochs[0]["comm_estimate"] == 0.0 and set(epochs[0]["profile"]) == set(PHASES)
     assert epochs[1]["comm_estimate"] >= 0.0
