@@ -27,7 +27,7 @@ Launch (configs in accelerate_configs/; the flags after accel_train.py are this 
 
 Every recipe key and flag works as in raw_ddp.py. Checkpoints are accelerator.save_state folders published
 atomically through DIR/LATEST. Preemption: SIGUSR1 to the ranks, or SIGTERM to `accelerate launch` (SIGUSR1
-would kill its torchrun agent); the ranks checkpoint within 10 steps and exit 75. Details: docs/accelerate.md.
+would kill its torchrun agent); the ranks checkpoint within ~2 s (or a step) and exit 75. Details: docs/accelerate.md.
 """
 # ============================================================================ setup
 import argparse

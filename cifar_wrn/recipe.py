@@ -73,7 +73,8 @@ class Recipe:
     tta_translate: int = 0            # evaluation also sees each image shifted this many pixels both ways
                                       # (reflected edges; 0 = off; evaluation only, like tta_flip)
     bn_recalibration: int = 0         # training images (all ranks) whose batch statistics replace the evaluated
-                                      # network's BatchNorm statistics before each validation (0 = off); in the clock
+                                      # network's BatchNorm statistics before each validation (0 = off); in the clock;
+                                      # equal whole batches per rank (data.recalibration_batches says how many)
     # --- structural levers of issue 25 (docs/optimizations.md, 14; all off by default)
     muon: bool = False                # Muon (orthogonalised Nesterov momentum) for the 4-D convolution kernels
     muon_lr: float = 0.24             # the kernels' peak rate with muon (absolute: not scaled by the batch size)

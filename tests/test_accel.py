@@ -398,12 +398,18 @@ def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_
     assert one_process.returncode != 0 and "written by 2 processes, this run has 1" in one_process.stderr
 
 
+def is_rank(process) -> bool:
+    try:
+        return "accel_train.py" in " ".join(process.cmdline())
+    except psutil.Error:  # a short-lived helper process of the launcher, gone meanwhile
+        return False
+
+
 def worker_processes(launcher_pid, count=2, timeout=60):
     """The ranks: accelerate launch runs torchrun's agent in its own process; the ranks are its children."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = [p for p in psutil.Process(launcher_pid).children(recursive=True)
-                    if "accel_train.py" in " ".join(p.cmdline())]
+        children = [p for p in psutil.Process(launcher_pid).children(recursive=True) if is_rank(p)]
         if len(children) == count:
             return children
         time.sleep(0.1)
@@ -415,7 +421,9 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     die, leaving the ranks running). They agree at the next check, write a checkpoint and exit 75; the agent
     reports that as a failed child, so accelerate launch itself exits 1 (docs/accelerate.md, Preemption)."""
     ck = tmp_path / "ck"
-    long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck]  # 40 steps per epoch
+    # 40 steps per epoch; the device pipeline: a prepared loader fetches the next batch before the step, so with
+    # the per-image pipeline a mid-epoch resume is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
+    long_epochs = ["--batch-size", 4, "--epochs", 3, "--set", "data_pipeline=device", "--checkpoint-dir", ck]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
            "--main_process_port", free_port(), "accel_train.py",
            *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")]
