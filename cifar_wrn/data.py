@@ -213,8 +213,9 @@ def loader_options(recipe, device, rank: int) -> dict:
     draws a base seed (the workers' seeds) from it, which without one it draws from the global stream that
     dropout and the CPU augmentation use, so that a run resumed in the middle of an epoch, whose new iterator
     draws once more, would train on with other dropout masks than the run it continues."""
-    num_workers = recipe.num_workers if device.type == "cuda" and recipe.data_pipeline == "dataloader" else 0
-    return dict(num_workers=num_workers, pin_memory=num_workers > 0, persistent_workers=num_workers > 0,
+    per_image_on_gpu = device.type == "cuda" and recipe.data_pipeline == "dataloader"
+    num_workers = recipe.num_workers if per_image_on_gpu else 0
+    return dict(num_workers=num_workers, pin_memory=per_image_on_gpu, persistent_workers=num_workers > 0,
                 worker_init_fn=ignore_stop_signal, generator=torch.Generator().manual_seed(recipe.seed + rank))
 
 
