@@ -1,6 +1,19 @@
-"""The exceptions the entry points turn into a plain message (no traceback) and an exit status."""
+"""The exceptions the entry points turn into a plain message (no traceback) and an exit status.
+
+The ground floor of cifar_wrn/: it imports no other module of the package (tests/test_imports.py checks
+that no module imports one that imports it back). What must happen before an error is printed (progress.py
+erases its bars) registers itself with before_report instead of being imported here.
+"""
 import sys
 import traceback
+
+_before_report: list = []  # callables, run before run_reporting_failures prints anything
+
+
+def before_report(hook):
+    """Register hook() to run before an error message is printed (usable as a decorator)."""
+    _before_report.append(hook)
+    return hook
 
 
 class UserError(Exception):
@@ -42,12 +55,12 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
     failed rank the launcher notices first: RunStopped by rank 0 (all ranks stop together), a UserError
     as one line (exit status 2), a broken collective as "lost contact" (a peer probably failed), anything
     else with the rank number and its traceback (exit status 1)."""
-    from .progress import close_all  # (imported here: progress imports this module's neighbours)
     try:
         try:
             train()
         finally:
-            close_all()  # a progress bar left half-drawn must not swallow the message's first line
+            for hook in _before_report:  # progress.close_all: a half-drawn bar must not swallow the message
+                hook()
     except RunStopped as exc:
         if str(rank) == "0":  # 1 and 2 are failures (2: one the user can fix); 75, a preemption, is not
             print(f"{'error: ' if exc.status in (1, 2) else ''}{exc}", file=sys.stderr, flush=True)

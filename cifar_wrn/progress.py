@@ -27,6 +27,7 @@ import weakref
 
 from tqdm import tqdm
 
+from .errors import before_report
 from .resilience import CHECK_EVERY  # the steps where the trainers agree, and so wait for the device
 
 # tqdm's monitor thread (it wakes every 10 s to fix a stalled miniters) is of no use to a bar updated every
@@ -37,9 +38,30 @@ TRAIN_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                 "[{elapsed}<{remaining}, {img_rate} img/s{postfix}]")
 
 _open_bars: "weakref.WeakSet[tqdm]" = weakref.WeakSet()
+DEFAULT_COLUMNS = 100  # where the terminal reports no width (a pty nobody sized, as `script -c` gives)
 
 
-class _TrainBar(tqdm):
+class _Bar(tqdm):
+    """tqdm that draws DEFAULT_COLUMNS wide where the terminal reports 0 columns and rows: tqdm would take
+    them as -1 and draw nothing at all (its display() skips a bar positioned below the last row)."""
+
+    def _sized(self) -> None:
+        if self.ncols is not None and self.ncols <= 0:
+            self.ncols, self.nrows = DEFAULT_COLUMNS, None
+
+    def display(self, msg=None, pos=None):
+        self._sized()
+        return super().display(msg, pos)
+
+    @property
+    def format_dict(self):
+        fields = super().format_dict  # reads the terminal's size again (dynamic_ncols)
+        self._sized()
+        fields.update(ncols=self.ncols, nrows=self.nrows)
+        return fields
+
+
+class _TrainBar(_Bar):
     """tqdm with one more field for bar_format: {img_rate}, steps/sec times the images of one step."""
 
     def __init__(self, *args, images_per_step: int = 1, **kwargs):
@@ -105,11 +127,12 @@ def validation_bar(show: bool, loader, desc: str = "validation"):
     has one). Iterate it exactly like the loader: it yields the loader's batches and erases itself at the end."""
     if not show:
         return loader
-    bar = tqdm(loader, unit="batch", **_common(desc))
+    bar = _Bar(loader, unit="batch", **_common(desc))
     _open_bars.add(bar)
     return bar
 
 
+@before_report  # cifar_wrn/errors.py runs it before printing an error
 def close_all() -> None:
     """Erase every bar still drawn: for an error path, so that a message printed to stderr after a failure in
     the middle of an epoch starts on a clean line instead of after the bar."""

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 
 import pytest
@@ -109,6 +110,36 @@ def test_close_all_erases_the_bars_an_error_left(capsys):
     progress.close_all()
     assert bar._bar.disable  # closed
     assert capsys.readouterr().err.endswith("\r")
+
+
+def test_a_terminal_without_a_size_still_gets_a_bar(monkeypatch):
+    """A pseudo-terminal nobody sized (0 rows, 0 columns; what `script -c` gives): tqdm would take the width as
+    -1 and draw nothing; the bars are drawn DEFAULT_COLUMNS wide instead."""
+    controller, terminal = pty.openpty()
+    assert struct.unpack("HHHH", fcntl.ioctl(terminal, termios.TIOCGWINSZ, b"\0" * 8))[:2] == (0, 0)
+    received = []
+
+    def read():  # concurrently: a pty's buffer is small, and a writer blocks when it is full
+        while data := os.read(controller, 65536) if select.select([controller], [], [], 5)[0] else b"":
+            received.append(data)
+    reader = threading.Thread(target=read)
+    reader.start()
+    with open(terminal, "w", closefd=False) as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = progress.EpochBar(True, 1, 4, images_per_step=64)
+        for _ in range(4):
+            bar.step(torch.tensor(2.0))
+        bar.close()
+        assert list(progress.validation_bar(True, range(3))) == [0, 1, 2]
+        stream.flush()
+    reader.join()
+    os.close(terminal)
+    os.close(controller)
+    drawn = b"".join(received).decode()
+    lines = [line for line in re.split(r"[\r\n]+", drawn) if line.strip()]
+    assert any(line.startswith("epoch 1: 100%|") and "4/4" in line and "loss=2.000" in line for line in lines), drawn
+    assert any(re.match(r"validation: +\d+%\|.*\| \d/3 \[", line) for line in lines), drawn
+    assert {len(line) for line in lines} == {progress.DEFAULT_COLUMNS}, drawn  # every bar drawn that wide
 
 
 class FakeStderr(io.StringIO):
