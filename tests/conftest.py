@@ -1,5 +1,15 @@
-"""Shared test helpers: small synthetic CIFAR-10 in the official layout, and process runs that cannot hang."""
+"""Shared test helpers: small synthetic CIFAR-10 in the official layout, and process runs that cannot hang.
+
+The fast tier: every test that starts a process (a training run, a shell, a Slurm job) is marked `slow`,
+automatically (pytest_collection_modifyitems): the test, the fixtures it uses and whatever they call, followed
+through the names their code uses, reach `subprocess` or `multiprocessing`. A test left unmarked that starts a
+process all the same fails at once (no_process_in_the_fast_tier), so `pytest -m "not slow"` runs exactly the
+tests that start none.
+"""
+import inspect
+import multiprocessing.process
 import os
+import types
 import pickle
 import signal
 import socket
@@ -12,6 +22,71 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+
+
+# ============================================================================ the fast tier
+
+PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing")
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:  # nested functions, lambdas, comprehensions
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _starts_processes(obj, seen: set) -> bool:
+    """Whether obj (a function or class) refers to subprocess/multiprocessing, directly or through the functions
+    and classes of the tests' own modules that its code names (globals, and attributes of those modules)."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if inspect.isclass(obj):
+        return any(_starts_processes(member, seen) for member in vars(obj).values()
+                   if inspect.isfunction(member) or isinstance(member, (property, staticmethod, classmethod)))
+    if isinstance(obj, property):
+        return _starts_processes(obj.fget, seen)
+    if isinstance(obj, (staticmethod, classmethod)):
+        return _starts_processes(obj.__func__, seen)
+    obj = inspect.unwrap(obj)
+    if not inspect.isfunction(obj) or not Path(obj.__code__.co_filename).is_relative_to(TESTS):
+        return False  # the project's code and libraries: a test that runs them in-process starts nothing
+    names = {name for code in _code_objects(obj.__code__) for name in code.co_names}
+    for name in names:
+        value = obj.__globals__.get(name)
+        if isinstance(value, types.ModuleType):
+            if value.__name__.startswith(PROCESS_MODULES):
+                return True
+            if getattr(value, "__file__", None) and Path(value.__file__).is_relative_to(TESTS):
+                if any(_starts_processes(getattr(value, attr), seen) for attr in names if hasattr(value, attr)):
+                    return True
+        elif (inspect.isfunction(value) or inspect.isclass(value)) and _starts_processes(value, seen):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
+                    if name != "no_process_in_the_fast_tier"]
+        if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *fixtures] if f):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def no_process_in_the_fast_tier(request, monkeypatch):
+    """A test not marked slow must not start a process: fail at once, before anything starts."""
+    if request.node.get_closest_marker("slow") is None:
+        def refuse(*args, **kwargs):
+            pytest.fail(f"{request.node.nodeid} starts a process but is not marked slow (conftest.py did not see "
+                        f"it reach subprocess or multiprocessing): mark it @pytest.mark.slow", pytrace=True)
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        monkeypatch.setattr(os, "fork", refuse)
+        monkeypatch.setattr(os, "posix_spawn", refuse)
+        monkeypatch.setattr(os, "system", refuse)
 PER_TRAIN_FILE = 64            # 5 files -> 320 training images
 VAL_IMAGES = 101               # odd on purpose: DistributedSampler must pad it for 2 ranks
 TRAIN_IMAGES = 5 * PER_TRAIN_FILE

@@ -163,6 +163,7 @@ def check_only_network_buffers(calls, emas):
     assert all(t.device == next(ema.module.parameters()).device for t in calls)
 
 
+@pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch):
     """Before evaluation rank 0's BatchNorm statistics are broadcast. With an EMA, AveragedModel.buffers() also
     holds its update counter: broadcasting it is useless, and on GPUs (a CPU tensor through NCCL) a crash."""
@@ -173,6 +174,7 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
     check_only_network_buffers(calls, emas)
 
 
+@pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatch):
     from accelerate.state import AcceleratorState
     calls, emas = record_evaluation_broadcasts(monkeypatch, accel_train, accel_train, "broadcast")

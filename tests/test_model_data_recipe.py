@@ -339,6 +339,7 @@ class SignalsItself(torch.utils.data.Dataset):
         return i
 
 
+@pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_loader_workers_survive_a_stop_signal():
     from cifar_wrn.data import ignore_stop_signal
     loader = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1,

@@ -120,20 +120,22 @@ def test_a_terminal_without_a_size_still_gets_a_bar(monkeypatch):
     received = []
 
     def read():  # concurrently: a pty's buffer is small, and a writer blocks when it is full
-        while data := os.read(controller, 65536) if select.select([controller], [], [], 5)[0] else b"":
+        while True:
+            try:
+                data = os.read(controller, 65536)
+            except OSError:  # EIO: the terminal's side is closed and everything written was read
+                return
             received.append(data)
     reader = threading.Thread(target=read)
     reader.start()
-    with open(terminal, "w", closefd=False) as stream:
-        monkeypatch.setattr(sys, "stderr", stream)
+    with open(terminal, "w") as stream, monkeypatch.context() as patch:
+        patch.setattr(sys, "stderr", stream)
         bar = progress.EpochBar(True, 1, 4, images_per_step=64)
         for _ in range(4):
             bar.step(torch.tensor(2.0))
         bar.close()
         assert list(progress.validation_bar(True, range(3))) == [0, 1, 2]
-        stream.flush()
-    reader.join()
-    os.close(terminal)
+    reader.join(timeout=30)
     os.close(controller)
     drawn = b"".join(received).decode()
     lines = [line for line in re.split(r"[\r\n]+", drawn) if line.strip()]
