@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import warnings
 from datetime import timedelta
 
 import accelerate
@@ -52,7 +51,7 @@ from cifar_wrn.cli import (accelerate_launch_problem, add_training_flags, check_
 from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
                             loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
-from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
+from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
@@ -115,15 +114,15 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
                                "config, --main_process_ip and --main_process_port.") from None
     problem = accelerate_launch_problem(accelerator.num_processes, accelerator.distributed_type.value,
                                         accelerator.device.type, accelerate.__version__)
-    if problem:  # refuse to train when Accelerate did not join the processes the launch started
-        raise UserError(problem)
+    if problem:  # refuse to train when Accelerate did not join the processes the launch started (every rank sees it)
+        raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")  # printed once per node
     device = accelerator.device
     if device.type == "cpu":
         # The processes on this node share its cores: without this each would start one thread
         # per core and the oversubscribed machine runs several times slower.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(accelerator.num_processes)))
         if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
-            warnings.warn("CUDA is not available: running on the CPU", stacklevel=1)
+            accelerator.print("warning: CUDA is not available: running on the CPU", file=sys.stderr)  # once a node
         if recipe.sync_bn:  # resolve() refuses it too where it can tell; this catches a launch without CUDA
             raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return accelerator, accelerator.process_index, accelerator.num_processes, device
@@ -134,16 +133,14 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     # A1.4: one process per node downloads (if needed); the others wait until it has left the block,
     # so that nobody reads a half-written file. (One per node, because nodes may not share a disk.)
     with accelerator.local_main_process_first():
-        if accelerator.is_local_main_process and not dataset_present(args.data_dir):
-            problem = download_cifar10(args.data_dir)
-            if problem:
-                accelerator.print(f"rank {rank}: {problem}", file=sys.stderr, flush=True)  # once per node
+        downloads = accelerator.is_local_main_process and not dataset_present(args.data_dir)
+        fetched = download_cifar10(args.data_dir) if downloads else None  # None, or why it failed
     train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
     # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
     # waiting in prepare()'s DDP constructor (a collective) until --dist-timeout. So all ranks share their answer.
     problems = gather_object([problem and f"node {rank // local_world_size(accelerator.num_processes)}: {problem}"])
     if agreed_problem(problems):
-        raise UserError(agreed_problem(problems))  # every rank stops, naming the node(s) and folder(s)
+        raise AgreedError(agreed_problem(problems), accelerator.is_local_main_process, fetched)  # one line a node
     train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)  # on the device, or per image
     options = loader_options(recipe, device, rank)  # workers or not; a random generator of its own (cifar_wrn/data.py)
     if recipe.data_pipeline == "device":

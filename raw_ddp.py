@@ -30,7 +30,6 @@ import argparse
 import os
 import signal
 import sys
-import warnings
 from datetime import timedelta
 
 import torch
@@ -47,7 +46,7 @@ from cifar_wrn.cli import (add_training_flags, check_training_flags, free_port, 
 from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
                             loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
-from cifar_wrn.errors import UserError, agreed_problem, group_not_formed, run_reporting_failures
+from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
@@ -111,10 +110,7 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
 def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device) -> Loaders:
     # R1.4: one process per node downloads (if needed); the rest wait at the barrier so that
     # nobody reads a half-written file. (One per node, because nodes may not share a disk.)
-    if local_rank == 0 and not dataset_present(args.data_dir):
-        problem = download_cifar10(args.data_dir)
-        if problem:
-            print(f"rank {rank}: {problem}", file=sys.stderr, flush=True)
+    fetched = download_cifar10(args.data_dir) if local_rank == 0 and not dataset_present(args.data_dir) else None
     dist.barrier()  # R1.4
     train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
     # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
@@ -122,7 +118,7 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
     problems = [None] * world_size
     dist.all_gather_object(problems, problem and f"node {args.node_id}: {problem}")
     if agreed_problem(problems):
-        raise UserError(agreed_problem(problems))  # every rank stops, naming the node(s) and folder(s)
+        raise AgreedError(agreed_problem(problems), local_rank == 0, fetched)  # all stop; one line per node
     train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)  # on the device, or per image
     # R1.5: each rank reads its own 1/world_size shard. The sampler shuffles with the same seed
     # on every rank (so the shards stay disjoint) and pads to equal length (so every rank runs
@@ -377,7 +373,7 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "auto":
         if cuda_count == 0:
-            warnings.warn("CUDA is not available: running on the CPU with the gloo backend", stacklevel=1)
+            print("warning: CUDA is not available: running on the CPU with the gloo backend", file=sys.stderr)
         args.device = "cuda" if cuda_count else "cpu"
     if launched_by_torchrun():  # torchrun decided the topology; take it from its environment
         args.num_gpus = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -424,7 +420,7 @@ if __name__ == "__main__":
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)
-        while not context.join():
+        while not context.join(grace_period=5):  # a failed rank's peers get 5 s to report and exit
             pass
     except mp.ProcessExitedException as exc:  # a rank ended with an error; mp.spawn has stopped the others
         if exc.signal_name:  # killed (the OOM killer, say): it could not report anything itself

@@ -17,18 +17,18 @@
 # every ~19 s): data ~15 s, fast_alone ~60 s, sync_count ~30 s, then the sweep gets ~410 s: 9 seeds and the
 # 12 first lever lines (21 runs, ~400 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
 #
-#   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
-#   bash bench/gpu_session.sh 1a2b3c4   # there (device run, carry .device_data, timeout_s 600), with that commit
+#   bash bench/gpu_session.sh 1a2b3c4 DATA   # there (device run, timeout_s 600), with that commit and the data
+#   folder (default data), which must hold cifar-10-batches-py/ (README, "Getting the data"): carry it along
 #
 # Everything printed goes to $OUT/session.log (default runs/gpu_session/). The JSON logs come back as
 # $OUT/logs.tar.gz, refreshed after every step, its paths already under docs/runs/h200-issue25-DATE/: unpack it
 # in the repository root (tar xzf logs.tar.gz), then copy the tables into docs/benchmarks.md.
-# DEADLINE (seconds, default 540) and DATA (default data) may be set in the environment.
+# DEADLINE (seconds, default 540) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-runs/gpu_session}
-DATA=${DATA:-data}
+DATA=${2:-data}
 DEADLINE=${DEADLINE:-540}
 COMMIT=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
@@ -57,7 +57,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
-    step prepare_data 90 python3 .device_data/prepare_cifar10.py "$DATA"
+    echo "error: no CIFAR-10 in $DATA/cifar-10-batches-py (README, \"Getting the data\")" >&2
+    exit 2
 fi
 
 # One GPU with batch_size 256 sees the images of one step of 2 GPUs x 128 (fast.yaml); BatchNorm then
@@ -70,8 +71,8 @@ levers="$STAGE/levers.txt"
 python3 bench/seeds.py --seeds 9 --first 1 --emit > "$levers"
 cat bench/levers-25.txt >> "$levers"
 sweep_deadline=$((DEADLINE - SECONDS - 30))   # room for the summary and the last tarball
-step sweep $((sweep_deadline + 20)) env OUT="$OUT/sweep" DATA="$DATA" DEADLINE="$sweep_deadline" \
-    bash bench/gpu_sweep.sh "$COMMIT" "$levers"
+step sweep $((sweep_deadline + 20)) env OUT="$OUT/sweep" DEADLINE="$sweep_deadline" \
+    bash bench/gpu_sweep.sh "$COMMIT" "$levers" "$DATA"
 if [ -f "$OUT/sweep/logs.tar.gz" ]; then
     tar xzf "$OUT/sweep/logs.tar.gz" -C "$STAGE/$RUN/sweep" && rm -f "$STAGE/$RUN"/sweep/*.out
     cp "$OUT/sweep/session.log" "$STAGE/$RUN/sweep/session.log" 2>/dev/null

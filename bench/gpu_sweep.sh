@@ -2,8 +2,9 @@
 # Whole 4-epoch runs of the fast recipe with one override set each, several at once on one GPU, for a
 # session that is lent a GPU for a few minutes (issue #12: which lever lifts epoch 3?).
 #
-#   mkdir -p .device_data && cp ../shared/data/cifar10-jpeg75.tar.gz ../shared/data/prepare_cifar10.py .device_data/
-#   bash bench/gpu_sweep.sh "$(git rev-parse --short HEAD)" bench/levers.txt   # there (carry .device_data)
+#   bash bench/gpu_sweep.sh "$(git rev-parse --short HEAD)" bench/levers.txt DATA   # DATA: the data folder
+#
+# DATA (default data) must hold cifar-10-batches-py/ (README, "Getting the data").
 #
 # LEVERS_FILE: one run per line, its --set overrides as space-separated KEY=VALUE ("-" = fast.yaml as it
 # is), '#' starts a comment; lines run in file order, PARALLEL (default 4) at a time, each pinned to its
@@ -16,9 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 COMMIT=${1:-unknown}
-LEVERS_FILE=${2:?usage: gpu_sweep.sh COMMIT LEVERS_FILE}
+LEVERS_FILE=${2:?usage: gpu_sweep.sh COMMIT LEVERS_FILE [DATA]}
+DATA=${3:-data}
 OUT=${OUT:-runs/gpu_sweep}
-DATA=${DATA:-data}
 DEADLINE=${DEADLINE:-500}
 PARALLEL=${PARALLEL:-4}
 mkdir -p "$OUT"
@@ -29,7 +30,8 @@ export PYTHONUNBUFFERED=1
 echo "commit: $COMMIT   date: $(date -u +%F)   parallel: $PARALLEL   deadline: ${DEADLINE}s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
-    python3 .device_data/prepare_cifar10.py "$DATA" || exit 1
+    echo "error: no CIFAR-10 in $DATA/cifar-10-batches-py (README, \"Getting the data\")" >&2
+    exit 2
 fi
 
 cores=$(nproc)

@@ -5,8 +5,8 @@ the barrier goes; this module only does the work.
 
 The data is read from `<data_dir>/cifar-10-batches-py/` (the official python layout: pickled
 dicts with `data` uint8 [N, 3072], rows CHW-planar, and `labels`) with pickle directly, so any
-copy in that layout loads, including the offline JPEG copy whose bytes differ from the official
-release (torchvision.datasets.CIFAR10 would refuse it on its md5 check). The unpickler is restricted
+copy in that layout loads, including re-encoded copies (a JPEG re-encoding, say) whose bytes differ from the
+official release (torchvision.datasets.CIFAR10 would refuse it on its md5 check). The unpickler is restricted
 to what those files contain (BatchUnpickler): a file on shared storage cannot run code in the trainers.
 """
 import functools
@@ -53,9 +53,9 @@ def dataset_present(data_dir) -> bool:
 def how_to_provide(data_dir) -> str:
     return (
         f"CIFAR-10 is not in {dataset_folder(data_dir)}. Provide it in the official python layout "
-        f"(cifar-10-batches-py/data_batch_1..5, test_batch): without internet, expand the offline copy with "
-        f"`python shared/data/prepare_cifar10.py {data_dir}`, or extract cifar-10-python.tar.gz there; "
-        f"with internet, the first run downloads it (set CIFAR10_URL to use a mirror)."
+        f"(cifar-10-batches-py/data_batch_1..5, test_batch): extract the official cifar-10-python.tar.gz into "
+        f"{data_dir}, or copy a folder in that layout there; with internet the first run downloads the archive "
+        f"(CIFAR10_URL=<url> for a mirror of it)."
     )
 
 

@@ -24,6 +24,17 @@ class UserError(Exception):
     """
 
 
+class AgreedError(UserError):
+    """A problem every rank finds alike (an all-gather of every rank's answer, see agreed_problem, or a fact of
+    the launch every rank reads the same): every rank raises it and stops, and one process per node prints it
+    (`shown`), so that it is read once per node instead of once per rank. `note`: what only the printing
+    process knows (why its download failed, say)."""
+
+    def __init__(self, message: str, shown: bool, note: str | None = None):
+        super().__init__(f"{message} (this node: {note})" if note and shown else message)
+        self.shown = shown
+
+
 class RunStopped(Exception):
     """Every rank stops together at the same step; rank 0 prints why; all exit with `status`."""
 
@@ -66,7 +77,8 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
             print(f"{'error: ' if exc.status in (1, 2) else ''}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.status)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if getattr(exc, "shown", True):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as exc:
         if isinstance(exc, lost_contact_types) or any(text in str(exc) for text in PEER_LOST):

@@ -205,9 +205,10 @@ stage_data() {
         echo "$where: copied $DATA_SRC/cifar-10-batches-py to $DATA_DIR in $((SECONDS - start)) s"
     else
         echo "warning: $where: no CIFAR-10 in DATA_SRC='${DATA_SRC:-}' (expected cifar-10-batches-py/" \
-             "data_batch_1..5 and test_batch there). Prepare it once on a login node:" \
-             "\`python shared/data/prepare_cifar10.py ${DATA_SRC:-data}\` (the offline copy), or let a first" \
-             "run download it. This job lets the trainer download it into $DATA_DIR (needs internet)." >&2
+             "data_batch_1..5 and test_batch there). Provide it once on a login node: extract the official" \
+             "cifar-10-python.tar.gz into ${DATA_SRC:-data}, or copy a folder in that layout there, or let a" \
+             "first run download it (CIFAR10_URL=<url> for a mirror). This job lets the trainer download it" \
+             "into $DATA_DIR (needs internet)." >&2
         mkdir -p "$DATA_DIR"
     fi
 }

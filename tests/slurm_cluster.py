@@ -126,14 +126,32 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-def first_job_id(count: int = 100) -> int:
+def first_job_id(count: int = 100, slot: int = 0) -> int:
     """A first job id such that the job scripts' MASTER_PORT (10000 + job id % 20000, slurm/common.sh)
-    is free for this many jobs in a row."""
+    is free for this many jobs in a row. Clusters started side by side (one per pytest-xdist worker) pass
+    their own slot (0-19): each gets its own 1000 of the 20000 ports, so their jobs' ports never meet."""
+    window = (slot % 20) * 1000
     for _ in range(200):
-        first = secrets.randbelow(800000) + 100000
+        first = 100000 + secrets.randbelow(40) * 20000 + window + secrets.randbelow(1000 - count)
         if all(port_is_free(10000 + (first + i) % 20000) for i in range(count)):
             return first
     raise Unavailable("no run of free ports for the jobs' rendezvous")
+
+
+def private_hosts(machine_hosts: str) -> str:
+    """The nodes' /etc/hosts: the machine's, without any name of the test nodes (a machine that already
+    maps node1 or node2 must not change what they resolve to), then the nodes on 127.0.0.1."""
+    lines = []
+    for line in machine_hosts.splitlines():
+        entry, hash_, comment = line.partition("#")
+        words = entry.split()
+        if len(words) > 1 and set(words[1:]) & set(NODES):
+            names = [w for w in words[1:] if w not in NODES]
+            if not names:
+                continue
+            line = " ".join([words[0], *names]) + (f" {hash_}{comment}" if hash_ else "")
+        lines.append(line)
+    return "\n".join(lines) + "\n# the test cluster's nodes\n" + "".join(f"127.0.0.1 {n}\n" for n in NODES)
 
 
 def node_cpus(index: int) -> str:
@@ -188,9 +206,10 @@ def parse_record(text: str) -> dict:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path | None = None, log=print):
+    def __init__(self, root: Path | None = None, log=print, slot: int = 0):
         self.root = Path(root or tempfile.mkdtemp(prefix="slurm-test-"))
         self.log = log
+        self.slot = slot  # which share of the jobs' ports (first_job_id): one per cluster on this machine
         self.conf = self.root / "etc" / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         self.namespaces: set[str] = set()  # the slurmd daemons' mount namespaces (their jobs run in them)
@@ -245,10 +264,9 @@ class SlurmCluster:
                 except OSError:  # cannot make devices here: Slurm then logs an error, still counts the GPUs
                     dev.touch()
 
-        # Each node's /etc/hosts (bound over /etc/hosts in its namespace): the machine's, plus the nodes.
+        # Each node's /etc/hosts (bound over /etc/hosts in its namespace): the machine's, with the nodes.
         original = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
-        (root / "etc" / "hosts").write_text(original.rstrip("\n") + "\n# the test cluster's nodes\n"
-                                            + "".join(f"127.0.0.1 {n}\n" for n in NODES))
+        (root / "etc" / "hosts").write_text(private_hosts(original))
 
         # Node-local scratch (<root>/scratch, each node's own in its namespace): TaskProlog (each
         # task, as the job's user) prints the job's $TMPDIR; Epilog (root, on each node, when a run
@@ -270,7 +288,7 @@ exit 0
         epilog.chmod(0o755)
 
         ctld_port, *node_ports = free_ports(1 + len(NODES))
-        self.first_job_id = first_job_id()
+        self.first_job_id = first_job_id(slot=self.slot)
         host = socket.gethostname().split(".")[0]
         nodes = "".join(
             f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} CPUs=64 Boards=1 "

@@ -261,7 +261,7 @@ def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_is_refused(cifar_dir, tmp
     log = tmp_path / "log.jsonl"
     result = accelerate_launch(config, *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log)
     assert_refused(result, r"the launcher started 2 processes \(WORLD_SIZE=2\) but Accelerate sees 1", log)
-    assert result.stderr.count("error: the launcher started 2 processes") == 2  # each process says so
+    assert result.stderr.count("error: the launcher started 2 processes") == 1  # every process sees it, one says so
 
 
 def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
@@ -272,6 +272,17 @@ def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
            "accel_train.py", *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log]
     result = finish(start(cmd, env=accel_env()), TIMEOUT)
     assert_refused(result, "accelerate launch was asked for several processes but started only this one", log)
+
+
+def test_missing_data_is_said_once(tmp_path):
+    """Both ranks find the data missing and stop together; the node's main process alone says so, in one line
+    (accelerate launch adds its own report of the failed processes after it)."""
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", tmp_path / "data", *TINY,
+                               env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))
+    assert result.returncode != 0 and not EPOCH_LINE.search(result.stdout)
+    ours = [line for line in result.stderr.splitlines() if line.startswith(("error:", "warning:", "rank "))]
+    assert len(ours) == 1 and ours[0].startswith("error: ranks 0, 1: node 0: CIFAR-10 is not in "), result.stderr
+    assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in ours[0]
 
 
 def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):

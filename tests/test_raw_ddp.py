@@ -236,13 +236,23 @@ def test_worker_that_raises_is_named_with_traceback(cifar_dir):
     assert result.seconds < 60
 
 
-def test_missing_data_and_failed_download(tmp_path):
-    result = run_raw("--num-gpus", 2, *TINY, "--data-dir", tmp_path / "empty", "--dist-timeout", 30,
-                     env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"), timeout=90)
-    assert result.returncode == 2
-    assert "download from http://127.0.0.1:9" in result.stderr
-    assert f"CIFAR-10 is not in {tmp_path / 'empty' / 'cifar-10-batches-py'}" in result.stderr
-    assert "prepare_cifar10.py" in result.stderr and "Traceback" not in result.stderr
+def test_first_run_without_data_reads_cleanly(tmp_path):
+    """The README's main command on a machine without the data, a network or CUDA, with nothing silenced
+    (PYTHONWARNINGS unset): one plain line about CUDA, then one error line about the data, printed once for the
+    node (not once per rank), naming the folder, why the download failed and only what a user has (the
+    official archive, CIFAR10_URL for a mirror); exit status 2."""
+    env = cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
+    del env["PYTHONWARNINGS"]
+    result = run_raw("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--data-dir", tmp_path / "data", env=env,
+                     timeout=90)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[0] == "warning: CUDA is not available: running on the CPU with the gloo backend"
+    assert lines[1].startswith(f"error: ranks 0, 1: node 0: CIFAR-10 is not in {tmp_path / 'data'}/cifar-10-batches-py")
+    assert "extract the official cifar-10-python.tar.gz into" in lines[1] and "CIFAR10_URL" in lines[1]
+    assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in lines[1]
+    assert "shared/" not in lines[1] and "prepare_cifar10" not in lines[1]
 
 
 def test_corrupt_file_is_named(tmp_path, cifar_dir):

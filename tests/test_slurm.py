@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run
-from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, processes_with
+from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM = REPO / "slurm"
@@ -151,7 +151,8 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
     env.update(DATA_SRC=str(tmp_path / "nothing"), TMPDIR=str(tmp_path / "scratch"))
     result = run(["bash", "-c", cmd], timeout=30, env=env)
     assert result.returncode == 0, result.stderr
-    assert "prepare_cifar10.py" in result.stderr and "download" in result.stderr
+    assert "cifar-10-python.tar.gz" in result.stderr and "CIFAR10_URL" in result.stderr, result.stderr
+    assert "shared/" not in result.stderr and "prepare_cifar10" not in result.stderr  # nothing a user lacks
     assert f"DATA_DIR={tmp_path / 'scratch' / 'cifar10'}" in result.stdout
 
 
@@ -172,10 +173,33 @@ def test_no_cluster_says_why(monkeypatch):
         slurm_cluster.ensure_installed(log=lambda _: None)
 
 
+def test_the_nodes_resolve_alike_whatever_the_machine_hosts_file_says():
+    """The nodes' private /etc/hosts drops the machine's own entries for node1 and node2 (a line `127.0.0.1 node1
+    node2` would make `getent hosts node2` print both names) and keeps everything else."""
+    machine = "127.0.0.1 localhost\n127.0.0.1 node1 node2\n10.0.0.5 node2 gateway # lab\n::1 ip6-localhost\n"
+    hosts = private_hosts(machine)
+    assert hosts.splitlines()[:3] == ["127.0.0.1 localhost", "10.0.0.5 gateway # lab", "::1 ip6-localhost"]
+    entries = [line.split() for line in hosts.splitlines() if line and not line.startswith("#")]
+    assert [e for e in entries if "node2" in e] == [["127.0.0.1", "node2"]]
+    assert [e for e in entries if "node1" in e] == [["127.0.0.1", "node1"]]
+
+
+def test_clusters_side_by_side_get_their_own_job_ports(monkeypatch):
+    """One cluster per pytest-xdist worker: each slot's jobs use ports (10000 + job id % 20000) of their own."""
+    import slurm_cluster
+    monkeypatch.setattr(slurm_cluster, "port_is_free", lambda port: True)
+    for slot in (0, 1, 3, 19):
+        for _ in range(20):
+            ports = {10000 + (first_job_id(slot=slot) + i) % 20000 for i in range(100)}
+            assert all(10000 + slot * 1000 <= port < 11000 + slot * 1000 for port in ports), (slot, sorted(ports))
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """A real slurmctld and two slurmd daemons (node1, node2) for the session; see tests/slurm_cluster.py."""
-    c = SlurmCluster(log=lambda message: print(f"test cluster: {message}", file=sys.stderr))
+    """A real slurmctld and two slurmd daemons (node1, node2) for the session; see tests/slurm_cluster.py.
+    Under pytest-xdist each worker starts its own (own folder, ports, munge socket and share of job ids)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    c = SlurmCluster(log=lambda message: print(f"test cluster: {message}", file=sys.stderr), slot=worker)
     try:
         c.start()
     except Unavailable as exc:
