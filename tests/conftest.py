@@ -170,6 +170,19 @@ def raw_ddp(*flags, timeout: float = 180, env=None) -> Result:
 TINY = ["--device", "cpu", "--model-width", "4", "--set", "eval_batch_size=64"]
 
 
+@pytest.fixture(scope="session")
+def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
+    """One plain 2-process run, shared by the tests that only read what it printed and wrote: (result, folder
+    holding w.pt and log.jsonl). 2 epochs: at most 6, stopped early by a target of 0 with patience 2."""
+    out = tmp_path_factory.mktemp("run")
+    result = raw_ddp("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY, "--data-dir", cifar_dir,
+                     "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
+                     "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2,
+                     "--set", "momentum=0.9", "--base-lr", 0.02,  # learns in 10 steps
+                     "--save", out / "w.pt", "--log-json", out / "log.jsonl")
+    return result, out
+
+
 def wait_for_epoch(log_path, timeout=120):
     """Block until a run's JSON log holds its first epoch record (then signal it mid-run)."""
     import time

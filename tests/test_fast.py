@@ -1,6 +1,7 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 import re
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -121,15 +122,26 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert recalibrated_loss == pytest.approx(float(cells[5].split(" / ")[0]), abs=2e-2)
 
 
-def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
-    """One SGD step at learning rate 1 with grad_clip_norm=0.001 moves the parameters by exactly 0.001 (L2):
-    the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
+@pytest.fixture(scope="module")
+def one_step_runs(cifar_dir, tmp_path_factory) -> Path:
+    """Two runs of one SGD step, both with residual_bn_init=0.2: start.pt at a learning rate of 1e-12 (the
+    initialisation, as made), clipped.pt at learning rate 1 with grad_clip_norm=0.001."""
+    folder = tmp_path_factory.mktemp("one_step")
+
     def one_step(name, *flags):
-        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, *flags, "--save", tmp_path / name)
+        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--set", "residual_bn_init=0.2",
+                         *flags, "--save", folder / name)
         assert result.returncode == 0, result.stderr
     one_step("start.pt", "--base-lr", 1e-12)
     one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
-    assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
+    return folder
+
+
+def test_grad_clip_norm_bounds_the_step(one_step_runs):
+    """One SGD step at learning rate 1 with grad_clip_norm=0.001 moves the parameters by exactly 0.001 (L2):
+    the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
+    distance = parameter_distance(one_step_runs / "start.pt", one_step_runs / "clipped.pt")
+    assert distance == pytest.approx(0.001, rel=1e-3)
 
 
 def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
@@ -146,12 +158,9 @@ def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
     assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") > 0.0
 
 
-def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(cifar_dir, tmp_path):
+def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
     """Through raw_ddp.py: one step at a learning rate of 1e-12 leaves the initialisation as it was made."""
-    result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--base-lr", 1e-12,
-                     "--set", "residual_bn_init=0.2", "--save", tmp_path / "w.pt")
-    assert result.returncode == 0, result.stderr
-    check_residual_bn_init(tmp_path / "w.pt", 0.2)
+    check_residual_bn_init(one_step_runs / "start.pt", 0.2)
 
 
 def test_sync_bn_on_cpu_is_refused():

@@ -130,15 +130,6 @@ def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
-@pytest.fixture(scope="module")
-def two_process_run(cifar_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    result = run_raw("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY, *data_flags(cifar_dir),
-                     "--epochs", 2, "--set", "momentum=0.9", "--base-lr", 0.02,  # learns in 10 steps
-                     "--save", out / "w.pt", "--log-json", out / "log.jsonl")
-    return result, out
-
-
 def test_end_to_end_two_processes(two_process_run):
     result, out = two_process_run
     assert result.returncode == 0, result.stderr
@@ -179,9 +170,8 @@ def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-5)
 
 
-def test_early_stopping_ends_every_rank_at_the_same_epoch(cifar_dir):
-    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--epochs", 6, "--target-accuracy", 0.0,
-                     "--patience", 2)
+def test_early_stopping_ends_every_rank_at_the_same_epoch(two_process_run):
+    result, _ = two_process_run  # --epochs 6 --target-accuracy 0 --patience 2
     assert result.returncode == 0, result.stderr
     assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]
     assert result.stdout.count("Early stopping after epoch 2") == 1
