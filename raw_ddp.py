@@ -420,7 +420,7 @@ if __name__ == "__main__":
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)
-        while not context.join(grace_period=5):  # a failed rank's peers get 5 s to report and exit
+        while not context.join(grace_period=10):  # when a rank fails, the others get 10 s to report and exit
             pass
     except mp.ProcessExitedException as exc:  # a rank ended with an error; mp.spawn has stopped the others
         if exc.signal_name:  # killed (the OOM killer, say): it could not report anything itself

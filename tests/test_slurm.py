@@ -34,7 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 SLURM = REPO / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 SHELL_FILES = SCRIPTS + sorted(SLURM.glob("*.sh")) + sorted((REPO / "bench").glob("*.sh"))
-HARD_TIMEOUT = 240  # seconds for one job, requeued runs included
+# Seconds for one job, requeued runs included: a guard against a hang, not a speed test, so it holds on a
+# loaded 2-core machine (a preempted accelerate job took 240 s there, with pytest-xdist and other work beside it).
+HARD_TIMEOUT = 480
 TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
 
 # Variables the scripts read: a developer's own values must not leak into the tests.
@@ -324,7 +326,7 @@ def sbatch(cluster: SlurmCluster, tmp_path: Path, script, *options, timeout=HARD
     return job
 
 
-def wait_for(path: Path, what: str, job: Job, text=None, timeout=150) -> None:
+def wait_for(path: Path, what: str, job: Job, text=None, timeout=300) -> None:
     """Until `path` exists (and holds `text`); fail if the job ends first."""
     deadline = time.monotonic() + timeout
     checked = 0.0
@@ -517,12 +519,14 @@ def test_job_script_trains_on_cpu(cluster, tmp_path, cifar_dir, name, options, w
 
 
 def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
-    """Rank 1 (node 2) fails after start-up: the job must fail soon, leaving nothing behind."""
+    """Rank 1 (node 2) fails after start-up: the job must fail soon, leaving nothing behind. Soon: srun's
+    --kill-on-bad-exit ends node 1 at once, long before rank 0 would give up waiting for rank 1 (--dist-timeout
+    600); the bound leaves room for a slow start-up on a loaded machine."""
     job = sbatch(cluster, tmp_path, SLURM / "raw_multinode.sbatch", "--gres=gpu:1", DATA_SRC=cifar_dir,
-                 EXTRA_ARGS=TINY + " --dist-timeout 120", CIFAR_WRN_TEST_RAISE_IN_RANK=1)
+                 EXTRA_ARGS=TINY + " --dist-timeout 600", CIFAR_WRN_TEST_RAISE_IN_RANK=1)
     assert job.state == "FAILED" and job.exit_status != 0, job.describe()
     assert "injected test fault in rank 1" in job.output and "FAILED (exit status" in job.output, job.describe()
-    assert job.seconds < 100, job.describe()
+    assert job.seconds < 300, job.describe()
     assert not job.leftovers
 
 
