@@ -218,12 +218,14 @@ def test_peer_that_never_joins_times_out_with_address(cifar_dir):
 
 
 def test_worker_that_raises_is_named_with_traceback(cifar_dir):
-    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30,
-                     env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1), timeout=90)
+    """Rank 1 raises: the run ends soon after, not when rank 0 gives up waiting for it (--dist-timeout 300; the
+    bound leaves room for the start-up of 2 processes on a loaded machine, 70 s measured)."""
+    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 300,
+                     env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1), timeout=240)
     assert result.returncode == 1
     assert "error: rank 1 failed" in result.stderr
     assert "Traceback" in result.stderr and "injected test fault in rank 1" in result.stderr
-    assert result.seconds < 60
+    assert result.seconds < 200
 
 
 def test_first_run_without_data_reads_cleanly(tmp_path):
