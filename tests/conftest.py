@@ -9,12 +9,12 @@ tests that start none.
 import inspect
 import multiprocessing.process
 import os
-import types
 import pickle
 import signal
 import socket
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
