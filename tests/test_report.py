@@ -562,6 +562,7 @@ def test_notes_and_caption_need_pdf(logs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # report.main starts a process inside the project's code (conftest cannot see it)
 def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
     """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
     pytest.importorskip("fpdf")
