@@ -236,6 +236,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # starts 2 processes through helpers imported inside the test (conftest cannot see them)
 def test_recalibration_with_a_collective_per_forward_does_not_hang():
     """2 ranks x 128 per batch, 511 images: the ranks once ran 2 and 1 batches, and a collective in each
     forward (sync_bn's; it needs CUDA, so a stand-in module does the same here) left one rank waiting."""
