@@ -30,6 +30,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from .errors import UserError
 
@@ -606,6 +607,26 @@ def where_text(name: str, numbers: list[int]) -> str:
     return f"{name}:" + ",".join(map(str, numbers))
 
 
+def pdf_content(runs: list[Run]) -> SimpleNamespace:
+    """Every text and table the PDF shows, computed here so that report_pdf only lays them out (and
+    imports nothing of this module: no import circle)."""
+    from .runlog import git_commit
+    run = main_run(runs)
+    try:
+        steps = ddp_steps()
+    except OSError as exc:
+        raise UserError(f"--pdf: cannot read the raw_ddp.py whose step lines the report cites "
+                        f"({exc.strerror or exc}); run it from a checkout of the project") from None
+    sc = scaling(runs)
+    head, rows = scaling_table(sc)
+    return SimpleNamespace(
+        runs=runs, run=run, printed=printed_lines(run), criterion=criterion_text(run), changes=optimisations(run),
+        steps=[[step, where_text("raw_ddp.py", lines), why] for step, lines, why in steps],
+        commit=short_commit(git_commit()), run_commit=short_commit(run.header.get("git_commit", "not logged")),
+        resumed=resume_text(run) if run.resumes else "", scaling_head=head, scaling_rows=rows,
+        scaling_basis=bool(sc.basis), scaling_notes=scaling_section(sc, runs))
+
+
 def main_run(runs: list[Run]) -> Run:
     """The run whose epoch log the course asks for: a 2-process one (one that met the criterion, if any),
     else the one with the most processes; the first given among equals."""
@@ -625,8 +646,10 @@ def printed_lines(run: Run) -> list[str]:
     stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
     stopped = stop is not None and stop == len(run.epochs) - 1
     budget = run.recipe.get("epochs")
-    if stopped or (isinstance(budget, int) and run.epochs and run.epochs[-1]["epoch"] >= budget):
-        recipe = SimpleNamespace(target_accuracy=run.target, patience=run.patience, epochs=budget)
+    ended = run.epochs and "safety_net" not in run.epochs[-1]  # the net fired there: the run went on
+    if stopped or (isinstance(budget, int) and ended and run.epochs[-1]["epoch"] >= budget):
+        recipe = SimpleNamespace(target_accuracy=run.target, patience=run.patience, epochs=budget,
+                                 extra_epochs=run.recipe.get("extra_epochs", 0))  # logs from before the safety net: 0
         lines.append(final_line(Progress(epoch=run.epochs[-1]["epoch"]), recipe, stopped))
     return lines
 
@@ -916,7 +939,7 @@ def main(argv=None) -> int:
         if args.pdf:
             shown = {"accuracy": report.parent / "accuracy_vs_time.png",
                      "topology": report.parent / topology_name(main_run(runs).config)}
-            pages = write_pdf(runs, args.pdf, {k: v for k, v in shown.items() if v in figures}, skipped, notes,
+            pages = write_pdf(pdf_content(runs), args.pdf, {k: v for k, v in shown.items() if v in figures}, skipped, notes,
                               args.caption)
             print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + (
                 f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES

@@ -5,7 +5,8 @@ run's epoch log exactly as rank 0 printed it, the Cumulative Time at which the c
 process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-against-time figure and the
 topology diagram, and the recipe's differences from the course baseline as the optimisations table.
 What only the student can write (why each optimisation helps, its before/after) is left as marked room,
-never filled in. Everything else comes from the logs and the code (cifar_wrn/report.py).
+never filled in. Everything else comes from the logs and the code: cifar_wrn/report.py computes it
+(its pdf_content) and passes it in, so this module only lays it out and imports nothing of report.py.
 
 fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
@@ -13,7 +14,6 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 """
 from pathlib import Path
 
-from . import report
 from .errors import UserError
 
 MAX_PAGES = 4                         # the course's limit
@@ -103,10 +103,9 @@ def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: 
     pdf.ln(1.5)
 
 
-def _printed_log(pdf, lay: Layout, run: report.Run) -> None:
+def _printed_log(pdf, lay: Layout, run, lines: list[str]) -> None:
     """The epoch lines as printed, in a monospace font sized so the longest fits on one line; where the run
     was resumed, a marked note (not part of the printed output) between them."""
-    lines = report.printed_lines(run)
     longest = max((len(line) for line in lines), default=1)
     size = min(8.0, pdf.epw / (0.6 * longest) * 72 / 25.4)   # Courier: every character is 0.6 em wide
     resumes = list(run.resumes)
@@ -117,7 +116,8 @@ def _printed_log(pdf, lay: Layout, run: report.Run) -> None:
         pdf.set_font("Courier", "", size)
         pdf.set_text_color(*DARK)
         pdf.set_fill_color(244, 244, 244)
-        pdf.cell(0, size * 0.45, latin1(line), new_x="LMARGIN", new_y="NEXT", fill=True)
+        for printed in line.split("\n"):  # an epoch line may carry the safety net's note on a line of its own
+            pdf.cell(0, size * 0.45, latin1(printed), new_x="LMARGIN", new_y="NEXT", fill=True)
     for segment in resumes:
         _resume_note(pdf, lay, segment)
     if len(lines) == len(run.epochs):  # no final line
@@ -125,7 +125,7 @@ def _printed_log(pdf, lay: Layout, run: report.Run) -> None:
               "I", GREY, size=lay.table)
 
 
-def _resume_note(pdf, lay: Layout, segment: report.Segment) -> None:
+def _resume_note(pdf, lay: Layout, segment) -> None:
     pdf.set_font("Helvetica", "I", lay.table)
     pdf.set_text_color(*GREY)
     pdf.cell(0, lay.table * 0.47, latin1(f"    [not printed by the run: stopped here, resumed at {segment.where()} "
@@ -190,13 +190,13 @@ def _plain(markdown: str) -> str:
     return markdown.replace("**", "").replace("`", "")
 
 
-def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: bool, sources: str,
+def build(content, figures: dict, skipped: str | None, compact: bool, sources: str,
           notes: dict, caption: str | None = None):
-    """The whole document (an FPDF object, not yet written)."""
+    """The whole document (an FPDF object, not yet written), from the texts and tables of pdf_content."""
     FPDF = load_fpdf()
     lay = Layout(compact)
     pdf = _document(FPDF, sources)
-    run = report.main_run(runs)
+    runs, run = content.runs, content.run
     cuda = run.header["device"] == "cuda"
     who = "two-GPU" if run.world_size == 2 and cuda else f"{run.world_size}-process ({run.header['device']})"
 
@@ -210,19 +210,12 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
         _text(pdf, lay, caption, "B")
     _text(pdf, lay, f"Text marked {YOU_WRITE} (in red) is yours to write: this report never invents it.", "I", RED)
 
-    from .runlog import git_commit
-    try:
-        steps = report.ddp_steps()
-    except OSError as exc:
-        raise UserError(f"--pdf: cannot read the raw_ddp.py whose step lines the report cites "
-                        f"({exc.strerror or exc}); run it from a checkout of the project") from None
     _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
     _text(pdf, lay, f"Line numbers of the raw_ddp.py this report ships with (commit "
-                    f"{report.short_commit(git_commit())}; the run's log names commit "
-                    f"{report.short_commit(run.header.get('git_commit', 'not logged'))}). Each process is pinned "
+                    f"{content.commit}; the run's log names commit {content.run_commit}). Each process is pinned "
                     f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.")
     pdf.ln(1)
-    rows = [[step, report.where_text("raw_ddp.py", lines), why] for step, lines, why in steps]
+    rows = content.steps
     pdf.set_font("Helvetica", "", lay.table)
     where = max([pdf.get_string_width(row[1]) + 3 for row in rows] + [20])  # one line each: no break in a number
     _table(pdf, lay, ["step", "where", "why"], rows, (11, where, pdf.epw - 11 - where))
@@ -231,20 +224,18 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
     per_node = "GPU(s)" if cuda else "CPU process(es)"
     _text(pdf, lay, f"{run.label}: {run.num_nodes} node(s) x {run.num_gpus} {per_node} per node = world size "
                     f"{run.world_size}, {run.header['backend']} on {run.header['device']}; log {run.path}."
-                    + (f" Resumed {report.resume_text(run)}." if run.resumes else ""))
+                    + (f" Resumed {content.resumed}." if content.resumed else ""))
     for note in run.notes:
         _text(pdf, lay, f"Note: {note}.", "I")
     pdf.ln(1)
-    _printed_log(pdf, lay, run)
+    _printed_log(pdf, lay, run, content.printed)
     pdf.ln(1.5)
-    _text(pdf, lay, report.criterion_text(run), "B", size=lay.body + 0.5)
+    _text(pdf, lay, content.criterion, "B", size=lay.body + 0.5)
 
-    sc = report.scaling(runs)
     _heading(pdf, "3. One process against N: speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law")
-    head, rows = report.scaling_table(sc)
-    widths = (23, 14, 13, 19, 15, 14) + ((17, 16, 15, 12, 12, 12) if sc.basis else ())
-    _table(pdf, lay, head, rows, widths, size=lay.table - 0.7)
-    for line in report.scaling_section(sc, runs):
+    widths = (23, 14, 13, 19, 15, 14) + ((17, 16, 15, 12, 12, 12) if content.scaling_basis else ())
+    _table(pdf, lay, content.scaling_head, content.scaling_rows, widths, size=lay.table - 0.7)
+    for line in content.scaling_notes:
         if line.startswith("- "):
             _text(pdf, lay, "- " + _plain(line[2:]), size=lay.table + 0.5)
     pdf.ln(1.5)
@@ -257,7 +248,7 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
                     f"with --notes (key: why: ..., before_after: ...); docs/optimizations.md and "
                     f"docs/benchmarks.md hold this project's measurements to cite.")
     pdf.ln(1)
-    changes = report.optimisations(run)
+    changes = content.changes
     if changes:
         _table(pdf, lay, ["recipe key", "baseline", "used", f"why {YOU_WRITE}", f"before -> after {YOU_WRITE}"],
                [[key, base, used, *notes.get(key, (YOU_WRITE, YOU_WRITE))] for key, base, used in changes],
@@ -267,14 +258,14 @@ def build(runs: list[report.Run], figures: dict, skipped: str | None, compact: b
     return pdf
 
 
-def write_pdf(runs: list[report.Run], path, figures: dict, skipped: str | None, notes: dict | None = None,
+def write_pdf(content, path, figures: dict, skipped: str | None, notes: dict | None = None,
               caption: str | None = None) -> int:
     """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
     the normal need more than MAX_PAGES (many runs, many recipe changes)."""
     path = Path(path)
-    sources = " ".join(str(r.path) for r in runs)
+    sources = " ".join(str(r.path) for r in content.runs)
     for compact in (False, True):
-        pdf = build(runs, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
+        pdf = build(content, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
                     notes or {}, caption)
         if pdf.page_no() <= MAX_PAGES:
             break

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch  # noqa: F401  first import runs ldconfig (a process): here, not inside whichever test imports it first
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

@@ -579,3 +579,20 @@ def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch
     assert pages == 2 and images == 0  # --no-figures: the PDF says so instead
     assert f"wrote {pdf} (2 pages); warning: more than the course's 1: report fewer runs at a time" \
         in capsys.readouterr().out
+
+
+def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
+    """A 2-epoch budget with extra_epochs 1: epoch 2 passed after epoch 1 missed, the net fired there, epoch 3
+    passed. The lines are what rank 0 printed: the net's note after epoch 2, the final line naming the extra
+    epoch; a log that ends at the net's epoch (the run still going) has no final line yet."""
+    path = write_log(tmp_path / "net.jsonl", 1, 2, [(60.0, 900.0, 0.80), (60.0, 950.0, 0.86), (60.0, 990.0, 0.87)])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[0]["recipe"].update(epochs=2, extra_epochs=1)
+    records[2]["safety_net"] = {"budget": 2, "extra_epochs": 1, "streak": 1, "patience": 2}
+    records[3]["extra_epoch"] = 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = report.printed_lines(report.read_run(path))
+    assert len(lines) == 4 and lines[1].splitlines()[1].startswith("Safety net: the target was met 1 of 2")
+    assert lines[-1] == "Early stopping after epoch 3 (1 safety-net epoch(s) after the 2-epoch budget)"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    assert len(report.printed_lines(report.read_run(path))) == 2
