@@ -22,7 +22,6 @@ import time
 import torch
 
 from .errors import RunStopped
-from .faults import with_test_faults  # noqa: F401 (the entry points import the test-only faults from here)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a temporary failure, try again; the Slurm scripts requeue on it
 CHECK_EVERY = 10     # the most steps between agreements (each one costs a GPU synchronisation)
