@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchvision.transforms import v2
 
 from .errors import UserError
 
@@ -249,6 +248,9 @@ class CIFAR10(Dataset):
     (random crop with `crop_padding` pixels of zero padding, horizontal flip), one image at a time on the CPU."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, crop_padding: int = 4):
+        # Imported here, not at the top: importing torchvision also imports torch._dynamo (about 3 s per process
+        # on a CPU), which the launcher and the device pipeline never need.
+        from torchvision.transforms import v2
         self.images, self.labels = images, labels
         crop = [v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []
         steps = crop + [v2.RandomHorizontalFlip()] if augment else []

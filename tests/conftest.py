@@ -68,12 +68,25 @@ def _starts_processes(obj, seen: set) -> bool:
     return False
 
 
+# Fixtures whose processes every worker may start for itself: the test Slurm cluster (its daemons mostly
+# wait; grouping every Slurm test onto one worker would run them one after another).
+PER_WORKER = {"cluster"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
+        fixtures = [(name, d) for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
                     if name != "no_process_in_the_fast_tier"]
-        if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *fixtures] if f):
+        if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *(d.func for _, d in fixtures)]
+               if f):
             item.add_marker(pytest.mark.slow)
+        # A module- or session-wide fixture that starts a run is built once per pytest-xdist worker: the tests
+        # that share one go to the same worker (--dist loadgroup), so that it is built once, not once per worker.
+        for name, d in fixtures:
+            if d.scope in ("module", "session") and name not in PER_WORKER and _starts_processes(d.func, set()):
+                group = name if d.scope == "session" else f"{Path(inspect.getfile(d.func)).stem}.{name}"
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

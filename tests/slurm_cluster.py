@@ -334,6 +334,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 GresTypes=gpu
 KillWait={KILL_WAIT}
+# A loaded 2-core machine answers slowly: at the default 10 s a signal request timed out and was sent
+# again, reaching the requeued run of the job it was meant for (it stopped a second time).
+MessageTimeout=60
 MinJobAge=3600
 InactiveLimit=0
 {nodes}{partitions}""")

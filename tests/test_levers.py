@@ -255,7 +255,7 @@ def test_lever_values_are_checked(overrides, message):
 
 
 def test_a_bad_lever_value_is_one_error_line(cifar_dir):
-    result = run_raw("--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--set", "lookahead_alpha=2", timeout=60)
+    result = run_raw("--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--set", "lookahead_alpha=2")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: invalid recipe")
     assert "lookahead_alpha must be in (0, 1]" in result.stderr and "Traceback" not in result.stderr
 

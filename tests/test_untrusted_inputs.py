@@ -371,6 +371,6 @@ def test_bad_inputs_are_refused_when_the_flags_are_read(tmp_path, monkeypatch, e
 def test_bad_input_is_one_error_line_and_status_2(tmp_path, entry):
     flags, message = bad_input(tmp_path, "binary recipe")
     launch = ["--device", "cpu"] if entry == "raw_ddp.py" else ["--cpu"]
-    result = run([sys.executable, entry, *launch, *flags], timeout=60)
+    result = run([sys.executable, entry, *launch, *flags])
     assert result.returncode == 2 and result.stdout == ""
     assert re.fullmatch("error: " + message + ".*", result.stderr.strip()), result.stderr
