@@ -81,12 +81,25 @@ def pytest_collection_modifyitems(config, items):
         if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *(d.func for _, d in fixtures)]
                if f):
             item.add_marker(pytest.mark.slow)
-        # A module- or session-wide fixture that starts a run is built once per pytest-xdist worker: the tests
-        # that share one go to the same worker (--dist loadgroup), so that it is built once, not once per worker.
-        for name, d in fixtures:
-            if d.scope in ("module", "session") and name not in PER_WORKER and _starts_processes(d.func, set()):
-                group = name if d.scope == "session" else f"{Path(inspect.getfile(d.func)).stem}.{name}"
-                item.add_marker(pytest.mark.xdist_group(group))
+    # A module- or session-wide fixture that starts a run is built once per pytest-xdist worker: the tests that
+    # share one go to the same worker (--dist loadgroup), so that it is built once, not once per worker. A test
+    # that uses two such fixtures joins their groups into one (else it would form a third group of its own).
+    shared = {item: {f"{Path(inspect.getfile(d.func)).stem}.{name}" for name, defs in
+                     item._fixtureinfo.name2fixturedefs.items() for d in defs
+                     if d.scope in ("module", "session") and name not in PER_WORKER and _starts_processes(d.func, set())}
+              for item in items}
+    parent = {}
+
+    def root(name):  # union-find over the fixtures: used together by one test -> one group
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+    for names in shared.values():
+        for name in names:
+            parent[root(name)] = root(min(names))
+    for item, names in shared.items():
+        if names:
+            item.add_marker(pytest.mark.xdist_group(root(min(names))))
     # Longest first: the Slurm jobs that train (minutes each, much of it waiting on the scheduler), then the other
     # tests that start processes, then those that start none; otherwise a job started last keeps one worker busy
     # while the others idle. (A stable sort: each file's tests keep their order.)
