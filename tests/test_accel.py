@@ -223,24 +223,48 @@ def test_parity_with_raw_ddp(accel_run, parity_dir, tmp_path):
     assert mean(epochs, "val_accuracy") == pytest.approx(mean(raw_epochs, "val_accuracy"), abs=0.08)
 
 
-def test_environment_form_and_bf16_from_the_launch_config(cifar_dir, tmp_path):
+@pytest.fixture(scope="module")
+def bf16_profile_run(cifar_dir, tmp_path_factory):
+    """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config, 2 epochs of a width-8 model with --profile and
+    --trace: one launch shared by test_environment_form_and_bf16_from_the_launch_config (how the launch is
+    configured) and test_profile_parts_add_up_to_the_epoch_and_trace_is_written (what --profile records).
+    Neither claim depends on the other's flags, and a launch costs ~20 CPU-seconds of start-up."""
+    out = tmp_path_factory.mktemp("bf16_profile")
+    result = accelerate_launch(CONFIGS / "two_gpus.yaml", *data_flags(cifar_dir), *TINY, "--model-width", 8,
+                               "--epochs", 2, "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl",
+                               env=accel_env(ACCELERATE_USE_CPU=1))
+    return result, out
+
+
+def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config: 2 CPU processes, bf16 autocast, noted in the log."""
-    result = accelerate_launch(CONFIGS / "two_gpus.yaml", *data_flags(cifar_dir), *TINY, "--epochs", 1,
-                               "--log-json", tmp_path / "log.jsonl", env=accel_env(ACCELERATE_USE_CPU=1))
+    result, out = bf16_profile_run
     assert result.returncode == 0, result.stderr[-3000:]
-    header, epochs = read_log(tmp_path / "log.jsonl")
+    header, epochs = read_log(out / "log.jsonl")
     assert header["world_size"] == 2 and header["mixed_precision"] == "bf16"
     assert header["recipe"]["precision"] == "bf16"
     assert "note: mixed_precision bf16 from the accelerate launch overrides" in result.stdout
-    assert len(EPOCH_LINE.findall(result.stdout)) == len(epochs) == 1
+    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
 
 
-def test_torchrun_launch(cifar_dir, tmp_path):
+@pytest.fixture(scope="module")
+def one_step_start(cifar_dir, tmp_path_factory):
+    """One plain-SGD step at lr 1e-12 (the weights move by ~1e-12) with
+    residual_bn_init=0.2, launched by torchrun: one launch shared by test_torchrun_launch (the launcher),
+    test_residual_bn_init_sets_the_last_batchnorm_of_each_body (the starting weights) and
+    test_grad_clip_norm_bounds_the_step (the point its clipped step is measured from: the same seed gives
+    the same starting weights whichever launcher starts the ranks)."""
+    out = tmp_path_factory.mktemp("one_step")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-           "accel_train.py", *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", tmp_path / "log.jsonl"]
-    result = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
+           "accel_train.py", "--data-dir", cifar_dir, *TINY, *ONE_STEP, "--base-lr", 1e-12,
+           "--set", "residual_bn_init=0.2", "--save", out / "w.pt", "--log-json", out / "log.jsonl"]
+    return finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT), out
+
+
+def test_torchrun_launch(one_step_start):
+    result, out = one_step_start
     assert result.returncode == 0, result.stderr[-3000:]
-    header, epochs = read_log(tmp_path / "log.jsonl")
+    header, epochs = read_log(out / "log.jsonl")
     assert header["world_size"] == 2 and header["launcher"] == "torchrun" and len(epochs) == 1
 
 
@@ -332,16 +356,17 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 
 
-def test_grad_clip_norm_bounds_the_step(cifar_dir, tmp_path):
+def test_grad_clip_norm_bounds_the_step(one_step_start, cifar_dir, tmp_path):
     """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
-    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
-    def one_step(name, *flags):
-        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
-                                   *flags, "--save", tmp_path / name)
-        assert result.returncode == 0, result.stderr[-3000:]
-    one_step("start.pt", "--base-lr", 1e-12)
-    one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
-    assert parameter_distance(tmp_path / "start.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
+    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them (one_step_start; both
+    with residual_bn_init=0.2, so that they start from the same weights)."""
+    start_run, out = one_step_start
+    assert start_run.returncode == 0, start_run.stderr[-3000:]
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
+                               "--base-lr", 1.0, "--set", "residual_bn_init=0.2", "--set", "grad_clip_norm=0.001",
+                               "--save", tmp_path / "clipped.pt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert parameter_distance(out / "w.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
 
 
 def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
@@ -357,12 +382,11 @@ def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
     assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") == 0.0
 
 
-def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(cifar_dir, tmp_path):
+def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_start):
     """As in tests/test_fast.py, through accel_train.py."""
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
-                               "--base-lr", 1e-12, "--set", "residual_bn_init=0.2", "--save", tmp_path / "w.pt")
+    result, out = one_step_start
     assert result.returncode == 0, result.stderr[-3000:]
-    check_residual_bn_init(tmp_path / "w.pt", 0.2)
+    check_residual_bn_init(out / "w.pt", 0.2)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
@@ -494,10 +518,8 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 
 # ----------------------------------------------------------------------------- --profile, --trace (issue 6)
 
-def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(cifar_dir, tmp_path):
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--model-width", 8,
-                               "--epochs", 2, "--profile", "--trace", tmp_path / "trace",
-                               "--log-json", tmp_path / "log.jsonl")
+def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run):
+    result, out = bf16_profile_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
-    check_profile(tmp_path / "log.jsonl", tmp_path / "trace")
+    check_profile(out / "log.jsonl", out / "trace")
