@@ -356,30 +356,43 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 
 
-def test_grad_clip_norm_bounds_the_step(one_step_start, cifar_dir, tmp_path):
+def clipped_steps(cifar_dir, epochs: int, weights: Path):
+    """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_start's
+    weights (residual_bn_init=0.2), on warmup_linear with anneal_epochs=1: the first step's rate factor is
+    (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0."""
+    return accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
+                             "--epochs", epochs, "--base-lr", 1.0, "--set", "residual_bn_init=0.2",
+                             "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear",
+                             "--set", "anneal_epochs=1", "--save", weights)
+
+
+@pytest.fixture(scope="module")
+def one_clipped_step(cifar_dir, tmp_path_factory):
+    """One epoch of clipped_steps: one launch for test_grad_clip_norm_bounds_the_step (the clipped step) and
+    test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run)."""
+    weights = tmp_path_factory.mktemp("clipped") / "one.pt"
+    return clipped_steps(cifar_dir, 1, weights), weights
+
+
+def test_grad_clip_norm_bounds_the_step(one_step_start, one_clipped_step):
     """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
     moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them (one_step_start; both
     with residual_bn_init=0.2, so that they start from the same weights)."""
-    start_run, out = one_step_start
+    (start_run, out), (clipped, weights) = one_step_start, one_clipped_step
     assert start_run.returncode == 0, start_run.stderr[-3000:]
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
-                               "--base-lr", 1.0, "--set", "residual_bn_init=0.2", "--set", "grad_clip_norm=0.001",
-                               "--save", tmp_path / "clipped.pt")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert parameter_distance(out / "w.pt", tmp_path / "clipped.pt") == pytest.approx(0.001, rel=1e-3)
+    assert clipped.returncode == 0, clipped.stderr[-3000:]
+    assert parameter_distance(out / "w.pt", weights) == pytest.approx(0.001, rel=1e-3)
 
 
-def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
+def test_anneal_epochs_freezes_the_weights_after_it(one_clipped_step, cifar_dir, tmp_path):
     """As in tests/test_fast.py: with anneal_epochs=1 the second epoch trains at lr 0, so a 2-epoch run ends with
-    the parameters of a 1-epoch run."""
-    def run_epochs(name, epochs):
-        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
-                                   "--epochs", epochs, "--set", "lr_schedule=warmup_linear", "--set", "anneal_epochs=1",
-                                   "--save", tmp_path / name)
-        assert result.returncode == 0, result.stderr[-3000:]
-    run_epochs("one.pt", 1)
-    run_epochs("two.pt", 2)
-    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") == 0.0
+    the parameters of a 1-epoch run (whatever moved them in the first: here a clipped step of norm 0.001, which
+    any non-zero rate in the second epoch would add to)."""
+    one, one_pt = one_clipped_step
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = clipped_steps(cifar_dir, 2, tmp_path / "two.pt")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert parameter_distance(one_pt, tmp_path / "two.pt") == 0.0
 
 
 def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_start):
