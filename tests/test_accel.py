@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -247,24 +248,10 @@ def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
 
 
-@pytest.fixture(scope="module")
-def one_step_start(cifar_dir, tmp_path_factory):
-    """One plain-SGD step at lr 1e-12 (the weights move by ~1e-12) with
-    residual_bn_init=0.2, launched by torchrun: one launch shared by test_torchrun_launch (the launcher),
-    test_residual_bn_init_sets_the_last_batchnorm_of_each_body (the starting weights) and
-    test_grad_clip_norm_bounds_the_step (the point its clipped step is measured from: the same seed gives
-    the same starting weights whichever launcher starts the ranks)."""
-    out = tmp_path_factory.mktemp("one_step")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-           "accel_train.py", "--data-dir", cifar_dir, *TINY, *ONE_STEP, "--base-lr", 1e-12,
-           "--set", "residual_bn_init=0.2", "--save", out / "w.pt", "--log-json", out / "log.jsonl"]
-    return finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT), out
-
-
-def test_torchrun_launch(one_step_start):
-    result, out = one_step_start
+def test_torchrun_launch(one_step_runs):
+    result = one_step_runs.start
     assert result.returncode == 0, result.stderr[-3000:]
-    header, epochs = read_log(out / "log.jsonl")
+    header, epochs = read_log(one_step_runs.start_log)
     assert header["world_size"] == 2 and header["launcher"] == "torchrun" and len(epochs) == 1
 
 
@@ -357,9 +344,9 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
 
 
 def clipped_steps(cifar_dir, epochs: int, weights: Path):
-    """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_start's
-    weights (residual_bn_init=0.2), on warmup_linear with anneal_epochs=1: the first step's rate factor is
-    (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0."""
+    """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_runs'
+    starting weights (residual_bn_init=0.2), on warmup_linear with anneal_epochs=1: the first step's rate factor
+    is (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0."""
     return accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
                              "--epochs", epochs, "--base-lr", 1.0, "--set", "residual_bn_init=0.2",
                              "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear",
@@ -367,39 +354,48 @@ def clipped_steps(cifar_dir, epochs: int, weights: Path):
 
 
 @pytest.fixture(scope="module")
-def one_clipped_step(cifar_dir, tmp_path_factory):
-    """One epoch of clipped_steps: one launch for test_grad_clip_norm_bounds_the_step (the clipped step) and
-    test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run)."""
-    weights = tmp_path_factory.mktemp("clipped") / "one.pt"
-    return clipped_steps(cifar_dir, 1, weights), weights
+def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
+    """Two launches of one SGD step from the same weights (residual_bn_init=0.2), for four tests that took five:
+    start: at lr 1e-12 (the weights move by ~1e-12), launched by torchrun, with a log: test_torchrun_launch (the
+      launcher), test_residual_bn_init_sets_the_last_batchnorm_of_each_body (the starting weights) and
+      test_grad_clip_norm_bounds_the_step (the point its step is measured from: the same seed gives the same
+      starting weights whichever launcher starts the ranks);
+    clipped: one epoch of clipped_steps: test_grad_clip_norm_bounds_the_step (the step) and
+      test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run).
+    One fixture, not two: a test using two module fixtures that start processes gets an xdist group of its own
+    (the names joined), and each fixture would then be built on two workers."""
+    out = tmp_path_factory.mktemp("one_step")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
+           "accel_train.py", "--data-dir", cifar_dir, *TINY, *ONE_STEP, "--base-lr", 1e-12,
+           "--set", "residual_bn_init=0.2", "--save", out / "start.pt", "--log-json", out / "start.jsonl"]
+    started = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
+    return SimpleNamespace(start=started, start_weights=out / "start.pt", start_log=out / "start.jsonl",
+                           clipped=clipped_steps(cifar_dir, 1, out / "clipped.pt"), clipped_weights=out / "clipped.pt")
 
 
-def test_grad_clip_norm_bounds_the_step(one_step_start, one_clipped_step):
+def test_grad_clip_norm_bounds_the_step(one_step_runs):
     """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
-    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them (one_step_start; both
-    with residual_bn_init=0.2, so that they start from the same weights)."""
-    (start_run, out), (clipped, weights) = one_step_start, one_clipped_step
-    assert start_run.returncode == 0, start_run.stderr[-3000:]
-    assert clipped.returncode == 0, clipped.stderr[-3000:]
-    assert parameter_distance(out / "w.pt", weights) == pytest.approx(0.001, rel=1e-3)
+    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
+    for result in (one_step_runs.start, one_step_runs.clipped):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert parameter_distance(one_step_runs.start_weights, one_step_runs.clipped_weights) == pytest.approx(0.001,
+                                                                                                           rel=1e-3)
 
 
-def test_anneal_epochs_freezes_the_weights_after_it(one_clipped_step, cifar_dir, tmp_path):
+def test_anneal_epochs_freezes_the_weights_after_it(one_step_runs, cifar_dir, tmp_path):
     """As in tests/test_fast.py: with anneal_epochs=1 the second epoch trains at lr 0, so a 2-epoch run ends with
     the parameters of a 1-epoch run (whatever moved them in the first: here a clipped step of norm 0.001, which
     any non-zero rate in the second epoch would add to)."""
-    one, one_pt = one_clipped_step
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert one_step_runs.clipped.returncode == 0, one_step_runs.clipped.stderr[-3000:]
     two = clipped_steps(cifar_dir, 2, tmp_path / "two.pt")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert parameter_distance(one_pt, tmp_path / "two.pt") == 0.0
+    assert parameter_distance(one_step_runs.clipped_weights, tmp_path / "two.pt") == 0.0
 
 
-def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_start):
+def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
     """As in tests/test_fast.py, through accel_train.py."""
-    result, out = one_step_start
-    assert result.returncode == 0, result.stderr[-3000:]
-    check_residual_bn_init(out / "w.pt", 0.2)
+    assert one_step_runs.start.returncode == 0, one_step_runs.start.stderr[-3000:]
+    check_residual_bn_init(one_step_runs.start_weights, 0.2)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
