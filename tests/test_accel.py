@@ -361,9 +361,7 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
       test_grad_clip_norm_bounds_the_step (the point its step is measured from: the same seed gives the same
       starting weights whichever launcher starts the ranks);
     clipped: one epoch of clipped_steps: test_grad_clip_norm_bounds_the_step (the step) and
-      test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run).
-    One fixture, not two: a test using two module fixtures that start processes gets an xdist group of its own
-    (the names joined), and each fixture would then be built on two workers."""
+      test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run)."""
     out = tmp_path_factory.mktemp("one_step")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
            "accel_train.py", "--data-dir", cifar_dir, *TINY, *ONE_STEP, "--base-lr", 1e-12,
@@ -476,7 +474,7 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     wait_for_epoch(tmp_path / "l.jsonl")
     for rank in ranks:
         rank.send_signal(signal.SIGUSR1)
-    result = finish(proc, 90)
+    result = finish(proc, TIMEOUT)
     assert result.returncode != 0
     assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
     assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
@@ -509,7 +507,7 @@ def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tm
     ranks = worker_processes(proc.pid)
     wait_for_epoch(tmp_path / "l.jsonl")
     proc.send_signal(signal.SIGTERM)
-    result = finish(proc, 90)
+    result = finish(proc, TIMEOUT)
     assert result.returncode != 0 and "got signal: 15" in result.stderr
     assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind

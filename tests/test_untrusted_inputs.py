@@ -29,6 +29,8 @@ class RunsCode:
         return open, (self.marker, "w")
 
 
+# The 2-process runs here use raw_ddp's default timeout (180 s): with 90 s a run that had printed its refusal was
+# still shutting down when the timeout struck, on 2 cores loaded by several pytest workers.
 def data_flags(data_dir):
     return ["--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
 
@@ -110,7 +112,7 @@ def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
     shutil.copytree(cifar_dir, tmp_path / "d")
     path = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_5"
     crafted_batch(path, tmp_path / "marker")
-    result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
+    result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30)
     assert result.returncode == 2, result.stderr
     assert f"{path} is not a CIFAR-10 batch file" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "marker").exists()
@@ -124,7 +126,7 @@ def test_raw_resume_refuses_a_crafted_checkpoint(cifar_dir, tmp_path):
     torch.save({"epoch": 1, "world_size": 2, "model_width": 4, "recipe": RunsCode(tmp_path / "marker")}, path)
     before = path.read_bytes()
     result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--epochs", 2,
-                     "--checkpoint-dir", path.parent, "--resume", timeout=90)
+                     "--checkpoint-dir", path.parent, "--resume")
     assert result.returncode == 2, result.stderr
     assert f"{path} {NOT_OURS}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "marker").exists()
@@ -289,10 +291,10 @@ def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_pa
 def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path):
     ck = tmp_path / "ck"
     common = ["--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--checkpoint-dir", ck]
-    assert raw_ddp(*common, "--epochs", 1, timeout=120).returncode == 0
+    assert raw_ddp(*common, "--epochs", 1).returncode == 0
     state = torch.load(ck / "checkpoint.pt")
     torch.save({**state, "rng": state["rng"][:1]}, ck / "checkpoint.pt")  # data only, but rank 1's part is gone
-    result = raw_ddp(*common, "--epochs", 2, "--resume", timeout=120)
+    result = raw_ddp(*common, "--epochs", 2, "--resume")
     assert result.returncode == 2, result.stderr[-3000:]
     expected = "rank 1: its part of the checkpoint was found but cannot be loaded into this run (IndexError"
     assert result.stderr.count(expected) == 2, result.stderr[-3000:]  # each rank says why it stopped
