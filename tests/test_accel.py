@@ -526,6 +526,8 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 # ----------------------------------------------------------------------------- --profile, --trace (issue 6)
 
 def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run):
+    """bf16_profile_run (with the launch tests above). 2 epochs: parts not reset between epochs would exceed the
+    second epoch's time."""
     result, out = bf16_profile_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
