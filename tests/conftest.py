@@ -309,3 +309,47 @@ def parameter_distance(weights_a, weights_b, width: int = 4) -> float:
 # One plain-SGD step (baseline: no momentum, no weight decay) of 2 x 16 images at a fixed learning rate.
 ONE_STEP = ["--recipe", "baseline", "--batch-size", 16, "--epochs", 1, "--train-subset", 32,
             "--val-subset", VAL_IMAGES, "--set", "lr_scaling=none"]
+
+
+# ---- shared runs (speed-a)
+# The resume tests of test_agreement.py and test_reliability.py resume from, or compare with, the same three runs:
+# started once per session (test start-up, not training, is what a run costs), side by side. A test that resumes
+# into one (or only might write into it) copies its folder first; a test resuming raw_ddp.py's must pass
+# resume_flags, as the runs did: the checkpoint records the data and batch size and refuses others.
+
+def resume_flags(data_dir, *extra):
+    """raw_ddp.py's flags for the shared runs, without --num-gpus (2 in the runs: two_nodes passes its own).
+    --batch-size 4: 40 steps per epoch, so that a signal can stop a run in the middle of an epoch."""
+    return [*TINY, "--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
+            "--dist-timeout", 60, "--batch-size", 4, *extra]
+
+
+@dataclass
+class ResumeRuns:
+    checkpoint: Result  # raw_ddp.py --epochs 1 --auto-resume into an empty folder: folder/raw/ck, folder/raw/l.jsonl
+    straight: Result    # raw_ddp.py --epochs 2, never stopped: folder/straight/w.pt, folder/straight/l.jsonl
+    accel: Result       # accel_train.py --epochs 1 (test_accel.reliability_flags): folder/accel/ck
+    folder: Path
+
+    def copy(self, name: str, into: Path) -> Path:
+        """A test's own copy of folder/name, as into/<its last part>: to resume into, the shared runs unchanged."""
+        import shutil
+        return Path(shutil.copytree(self.folder / name, into / Path(name).name))
+
+
+@pytest.fixture(scope="session")
+def resume_runs(cifar_dir, tmp_path_factory) -> ResumeRuns:
+    from test_accel import CONFIGS, accelerate_launch, reliability_flags
+    folder = tmp_path_factory.mktemp("resume_runs")
+    raw, straight = folder / "raw", folder / "straight"
+    raw.mkdir()
+    straight.mkdir()
+    procs = [start([sys.executable, "raw_ddp.py", "--num-gpus", 2, *resume_flags(cifar_dir, *extra)]) for extra in
+             (["--epochs", 1, "--checkpoint-dir", raw / "ck", "--auto-resume", "--log-json", raw / "l.jsonl"],
+              ["--epochs", 2, "--save", straight / "w.pt", "--log-json", straight / "l.jsonl"])]
+    accel = accelerate_launch(CONFIGS / "two_cpus.yaml",  # meanwhile, the raw runs go on
+                              *reliability_flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", folder / "accel" / "ck"))
+    runs = ResumeRuns(*(finish(p, 240) for p in procs), accel, folder)  # 240 s: three runs at once on a loaded machine
+    for result in (runs.checkpoint, runs.straight, runs.accel):
+        assert result.returncode == 0, result.stderr[-3000:]
+    return runs

@@ -19,7 +19,7 @@ from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
 from conftest import (PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw,
-                      start, synthetic_batch)
+                      resume_flags, start, synthetic_batch)
 from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
 
 PREEMPTED_EXIT = 75
@@ -188,25 +188,23 @@ def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatc
 
 
 # ----------------------------------------------------------------------------- resume: one decision for all
+# The checkpoints after epoch 1 are conftest's resume_runs (raw_ddp.py's and accel_train.py's, 2 processes each),
+# copied: a node resuming, or refusing to, must not write into the shared ones.
 
-def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path):
-    ck = tmp_path / "ck"
-    first = run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", ck))
-    assert first.returncode == 0, first.stderr
-    node0, node1 = two_nodes([flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
-                              flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "empty",
-                                    "--auto-resume")])
+
+def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path, resume_runs):
+    ck = resume_runs.copy("raw/ck", tmp_path)
+    node0, node1 = two_nodes([resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
+                              resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "empty",
+                                           "--auto-resume")])
     for node in (node0, node1):
         assert node.returncode == 2 and node.seconds < 120, node.stderr
         assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
         assert "Epoch = " not in node.stdout and "Traceback" not in node.stderr
 
 
-def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path):
-    ck = tmp_path / "ck"
-    first = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 1,
-                                                                             "--checkpoint-dir", ck))
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path, resume_runs):
+    ck = resume_runs.copy("accel/ck", tmp_path)
     node_flags = lambda folder: [str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir",
                                                                    folder, "--auto-resume")[1:]]
     node0, node1 = two_accel_nodes([node_flags(ck), node_flags(tmp_path / "empty")])
@@ -216,24 +214,13 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir
         assert 'accel_train.py", line' not in node.stderr
 
 
-@pytest.fixture(scope="module")
-def accel_two_rank_checkpoint(cifar_dir, tmp_path_factory):
-    """accel_train.py's checkpoint after epoch 1, written by 2 processes."""
-    ck = tmp_path_factory.mktemp("accel_two") / "ck"
-    first = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 1,
-                                                                             "--checkpoint-dir", ck))
-    assert first.returncode == 0, first.stderr[-3000:]
-    return ck
-
-
 @pytest.mark.parametrize("case", ["no checkpoint on node 1", "random_states_1.pkl missing"])
-def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, accel_two_rank_checkpoint, case):
+def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_runs, case):
     """--resume where node 1 lacks the checkpoint (it once stopped alone before the group formed, leaving node 0
     in the rendezvous for --dist-timeout), or lacks its own random-state file (it once stopped alone after the
     agreement): both nodes stop together within seconds of forming the group, each with the same line.
     --dist-timeout 300: a node left waiting would be killed by the test's timeout."""
-    ck = tmp_path / "ck"
-    shutil.copytree(accel_two_rank_checkpoint, ck)
+    ck = resume_runs.copy("accel/ck", tmp_path)
     folder = ck / (ck / "LATEST").read_text().strip()
     node1_dir = tmp_path / "empty" if case.startswith("no checkpoint") else ck
     if case.startswith("random_states"):
@@ -248,18 +235,16 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, accel_t
         assert "Epoch = " not in node.stdout and 'accel_train.py", line' not in node.stderr
 
 
-def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path):
-    ck = tmp_path / "ck"
-    assert run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", ck)).returncode == 0
-    other = run_raw("--num-gpus", 2, *flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
+def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_runs):
+    ck = resume_runs.copy("raw/ck", tmp_path / "raw")
+    other = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
                     "--train-subset", TRAIN_IMAGES // 2)
     assert other.returncode == 2 and "Epoch = " not in other.stdout
     assert f"train images = {TRAIN_IMAGES}, this run has {TRAIN_IMAGES // 2}" in other.stderr
-    ack = tmp_path / "ack"
-    launch = lambda *extra: accelerate_launch(CONFIGS / "two_cpus.yaml",
-                                              *reliability_flags(cifar_dir, "--checkpoint-dir", ack, *extra))
-    assert launch("--epochs", 1).returncode == 0
-    other = launch("--epochs", 2, "--resume", "--val-subset", 51)
+    ack = resume_runs.copy("accel/ck", tmp_path / "accel")
+    other = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ack,
+                                                                             "--epochs", 2, "--resume",
+                                                                             "--val-subset", 51))
     assert other.returncode != 0 and not other.stdout.count("Epoch = ")
     assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
 
@@ -309,12 +294,14 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
 
 # ----------------------------------------------------------------------------- stop signals
 
-def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path):
+def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path, resume_runs):
     """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank. The run resumed
-    in the middle of the epoch ends with the weights of a run never stopped, bit for bit (CPU: no loader workers;
-    dropout active). It did not while each new DataLoader iterator drew its seed from the global random stream."""
-    long_epochs = ["--num-gpus", 2, "--batch-size", 4, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]
-    proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")])
+    in the middle of the epoch ends with the weights of a run never stopped (conftest's resume_runs.straight, run
+    with these flags), bit for bit (CPU: no loader workers; dropout active). It did not while each new DataLoader
+    iterator drew its seed from the global random stream."""
+    long_epochs = ["--num-gpus", 2, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
+    proc = start([sys.executable, "raw_ddp.py", *resume_flags(cifar_dir, *long_epochs,
+                                                              "--log-json", tmp_path / "l.jsonl")])
     from conftest import wait_for_epoch
     wait_for_epoch(tmp_path / "l.jsonl")
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher leads its own session: this reaches every rank
@@ -323,15 +310,13 @@ def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp
     assert "stopped by a signal at epoch 2, step" in result.stderr and "checkpoint written" in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
     assert checkpoint["epoch"] == 1 and 0 < checkpoint["step"] < 40
-    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl",
-                             "--save", tmp_path / "resumed.pt"))
+    resumed = run_raw(*resume_flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl",
+                                    "--save", tmp_path / "resumed.pt"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"epoch 2, step {checkpoint['step']} of 40" in resumed.stdout
     _, epochs = read_log(tmp_path / "l.jsonl")
     assert [e["epoch"] for e in epochs] == [1, 2]
-    straight = run_raw(*flags(cifar_dir, *long_epochs[:-2], "--save", tmp_path / "straight.pt"))
-    assert straight.returncode == 0, straight.stderr
-    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    a, b = torch.load(resume_runs.folder / "straight" / "w.pt"), torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

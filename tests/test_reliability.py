@@ -15,7 +15,8 @@ from cifar_wrn.checkpoint import (CheckpointError, check_writable, load_checkpoi
                                   save_atomic)
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from conftest import wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, start
+from conftest import (wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, resume_flags,
+                      start)
 
 PREEMPTED_EXIT = 75
 
@@ -147,35 +148,37 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- resume
+# conftest's resume_runs: raw_ddp.py's checkpoint after epoch 1 (--auto-resume into an empty folder) and the
+# same run over 2 epochs never stopped. Copied before a resume (or a refused one) could write into them.
 
-def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path):
-    straight = run_raw(*flags(cifar_dir, "--epochs", 3, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl"))
-    assert straight.returncode == 0, straight.stderr
-    first = run_raw(*flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck",
-                           "--log-json", tmp_path / "b.jsonl"))
-    assert first.returncode == 0, first.stderr
-    second = run_raw(*flags(cifar_dir, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck", "--resume",
-                            "--save", tmp_path / "b.pt", "--log-json", tmp_path / "b.jsonl"))
+def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
+    """Stopped at the end of epoch 1, resumed for epoch 2: the weights and every epoch's metrics of the run
+    never stopped (resume_runs.straight: the same flags, no checkpoint)."""
+    run = resume_runs.copy("raw", tmp_path)  # its ck/ and l.jsonl
+    second = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", run / "ck",
+                                                    "--resume", "--save", run / "w.pt", "--log-json", run / "l.jsonl"))
     assert second.returncode == 0, second.stderr
     assert "Resuming from" in second.stdout and second.stdout.count("Epoch = ") == 1
-    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    straight = resume_runs.folder / "straight"
+    a, b = torch.load(straight / "w.pt"), torch.load(run / "w.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)  # identical weights
-    (_, ea), (_, eb) = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
+    (_, ea), (_, eb) = read_log(straight / "l.jsonl"), read_log(run / "l.jsonl")
     assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == \
            [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb]  # identical per-epoch metrics
     assert eb[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in eb))
 
 
-def test_resume_refusals(cifar_dir, tmp_path):
+def test_resume_refusals(cifar_dir, tmp_path, resume_runs):
     missing = run_raw(*flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", tmp_path / "none", "--resume"))
     assert missing.returncode == 2 and "no checkpoint at" in missing.stderr and "Traceback" not in missing.stderr
-    fresh = run_raw(*flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", tmp_path / "ck", "--auto-resume"))
+    fresh = resume_runs.checkpoint  # --auto-resume into an empty folder starts afresh
     assert fresh.returncode == 0 and "Resuming" not in fresh.stdout
-    assert load_checkpoint(tmp_path / "ck")["epoch"] == 1
-    other = run_raw(*flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck", "--resume",
-                           "--set", "momentum=0.5"))
+    ck = resume_runs.copy("raw/ck", tmp_path)
+    assert load_checkpoint(ck)["epoch"] == 1
+    other = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume",
+                                                   "--set", "momentum=0.5"))
     assert other.returncode == 2 and "momentum (0.0 -> 0.5)" in other.stderr
-    one_process = run_raw(*flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck", "--resume"),
+    one_process = run_raw(*resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
                           "--num-gpus", 1)
     assert one_process.returncode == 2 and "written by 2 processes, this run has 1" in one_process.stderr
 
