@@ -191,7 +191,6 @@ def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatc
 # The checkpoints after epoch 1 are conftest's resume_runs (raw_ddp.py's and accel_train.py's, 2 processes each),
 # copied: a node resuming, or refusing to, must not write into the shared ones.
 
-
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("raw/ck", tmp_path)
     node0, node1 = two_nodes([resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
@@ -296,8 +295,8 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
 
 def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path, resume_runs):
     """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank. The run resumed
-    in the middle of the epoch ends with the weights of a run never stopped (conftest's resume_runs.straight, run
-    with these flags), bit for bit (CPU: no loader workers; dropout active). It did not while each new DataLoader
+    in the middle of the epoch ends with the weights of a run never stopped (conftest's resume_runs.straight: these
+    flags, no checkpoint), bit for bit (CPU: no loader workers; dropout active). It did not while each new DataLoader
     iterator drew its seed from the global random stream."""
     long_epochs = ["--num-gpus", 2, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
     proc = start([sys.executable, "raw_ddp.py", *resume_flags(cifar_dir, *long_epochs,
