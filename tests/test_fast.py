@@ -125,16 +125,24 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
 @pytest.fixture(scope="module")
 def one_step_runs(cifar_dir, tmp_path_factory) -> Path:
     """Two runs of one SGD step, both with residual_bn_init=0.2: start.pt at a learning rate of 1e-12 (the
-    initialisation, as made), clipped.pt at learning rate 1 with grad_clip_norm=0.001."""
+    initialisation, as made), clipped.pt at learning rate 1 with grad_clip_norm=0.001. clipped.pt is also the
+    1-epoch run of the anneal test: warmup_linear with anneal_epochs=1 gives its only step the factor 1 (the
+    decay reaches 0 after that step), so it is the same step as at a constant rate, and one launch less."""
     folder = tmp_path_factory.mktemp("one_step")
-
-    def one_step(name, *flags):
-        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--set", "residual_bn_init=0.2",
-                         *flags, "--save", folder / name)
-        assert result.returncode == 0, result.stderr
-    one_step("start.pt", "--base-lr", 1e-12)
-    one_step("clipped.pt", "--base-lr", 1.0, "--set", "grad_clip_norm=0.001")
+    one_step(cifar_dir, folder / "start.pt", "--base-lr", 1e-12)
+    one_step(cifar_dir, folder / "clipped.pt", *CLIPPED, "--set", "anneal_epochs=1")
     return folder
+
+
+# One step of clipped SGD: each step at a non-zero rate moves the parameters by exactly lr x 0.001 (L2).
+CLIPPED = ["--base-lr", 1.0, "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear"]
+
+
+def one_step(cifar_dir, weights, *flags):
+    """ONE_STEP (1 step per epoch) on 2 processes with residual_bn_init=0.2; the final weights in `weights`."""
+    result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--set", "residual_bn_init=0.2",
+                     *flags, "--save", weights)
+    assert result.returncode == 0, result.stderr
 
 
 def test_grad_clip_norm_bounds_the_step(one_step_runs):
@@ -144,18 +152,16 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
     assert distance == pytest.approx(0.001, rel=1e-3)
 
 
-def test_anneal_epochs_freezes_the_weights_after_it(cifar_dir, tmp_path):
+def test_anneal_epochs_freezes_the_weights_after_it(one_step_runs, cifar_dir, tmp_path):
     """anneal_epochs=1 with a 2-epoch budget: epoch 2 trains at lr 0, so the parameters end where a 1-epoch run
-    leaves them; without it the second epoch still moves them (so the comparison can fail)."""
-    def run_epochs(name, epochs, *flags):
-        result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--epochs", epochs, "--data-dir", cifar_dir,
-                         "--set", "lr_schedule=warmup_linear", *flags, "--save", tmp_path / name)
-        assert result.returncode == 0, result.stderr
-    run_epochs("one.pt", 1, "--set", "anneal_epochs=1")
-    run_epochs("two_annealed.pt", 2, "--set", "anneal_epochs=1")
-    run_epochs("two.pt", 2)
-    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two_annealed.pt") == 0.0
-    assert parameter_distance(tmp_path / "one.pt", tmp_path / "two.pt") > 0.0
+    (the fixture's clipped.pt: the same flags, --epochs 1) leaves them; without it the second epoch still moves
+    them (so the comparison can fail). (Clipping and residual_bn_init, there for the other tests, change
+    nothing here; the clipped steps make the second epoch's move certain: lr 0.5 x 0.001.)"""
+    one_step(cifar_dir, tmp_path / "two_annealed.pt", *CLIPPED, "--set", "anneal_epochs=1", "--epochs", 2)
+    one_step(cifar_dir, tmp_path / "two.pt", *CLIPPED, "--epochs", 2)
+    one = one_step_runs / "clipped.pt"
+    assert parameter_distance(one, tmp_path / "two_annealed.pt") == 0.0
+    assert parameter_distance(one, tmp_path / "two.pt") > 0.0
 
 
 def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
