@@ -2,17 +2,16 @@
 import re
 
 from cifar_wrn.runlog import read_log
-from conftest import check_profile, TINY, TRAIN_IMAGES, VAL_IMAGES, raw_ddp as run_raw
+from conftest import check_profile
 
 
-def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(cifar_dir, tmp_path):
-    result = run_raw("--num-gpus", 2, *TINY, "--model-width", 8, "--data-dir", cifar_dir, "--train-subset",
-                     TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--epochs", 2, "--profile", "--trace", tmp_path / "trace",
-                     "--log-json", tmp_path / "log.jsonl")
+def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(torchrun_profile_run):
+    """conftest's torchrun_profile_run: 2 processes (started by torchrun), 2 epochs, --profile and --trace."""
+    result, out = torchrun_profile_run
     assert result.returncode == 0, result.stderr
     assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
-    check_profile(tmp_path / "log.jsonl", tmp_path / "trace")
-    assert all(p.stat().st_size > 1000 for p in (tmp_path / "trace").iterdir())
+    check_profile(out / "log.jsonl", out / "trace")
+    assert all(p.stat().st_size > 1000 for p in (out / "trace").iterdir())
 
 
 def test_no_profile_when_off(two_process_run):

@@ -190,12 +190,12 @@ def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
     assert (header["world_size"], header["num_nodes"], header["num_gpus"]) == (2, 2, 1)
 
 
-def test_torchrun_launch(cifar_dir, tmp_path):
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-                  "raw_ddp.py", *TINY, *data_flags(cifar_dir), "--epochs", 1, "--log-json", tmp_path / "log.jsonl"])
+def test_torchrun_launch(torchrun_profile_run):
+    """conftest's torchrun_profile_run (2 epochs; its --profile is tests/test_profile.py's)."""
+    result, out = torchrun_profile_run
     assert result.returncode == 0, result.stderr
-    assert len(EPOCH_LINE.findall(result.stdout)) == 1
-    header, _ = read_log(tmp_path / "log.jsonl")
+    assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]  # rank 0 only: each epoch once
+    header, _ = read_log(out / "log.jsonl")
     assert (header["world_size"], header["launcher"]) == (2, "torchrun")
 
 
