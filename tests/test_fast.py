@@ -127,7 +127,7 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> Path:
     """Two runs of one SGD step, both with residual_bn_init=0.2: start.pt at a learning rate of 1e-12 (the
     initialisation, as made), clipped.pt at learning rate 1 with grad_clip_norm=0.001. clipped.pt is also the
     1-epoch run of the anneal test: warmup_linear with anneal_epochs=1 gives its only step the factor 1 (the
-    decay reaches 0 after that step), so it is the same step as at a constant rate, and one launch less."""
+    decay reaches 0 after that step), the step a constant rate takes: one launch serves both tests."""
     folder = tmp_path_factory.mktemp("one_step")
     one_step(cifar_dir, folder / "start.pt", "--base-lr", 1e-12)
     one_step(cifar_dir, folder / "clipped.pt", *CLIPPED, "--set", "anneal_epochs=1")
