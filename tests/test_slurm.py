@@ -425,7 +425,8 @@ echo "srun status $?"
     assert job.state == "COMPLETED", job.describe()
     assert re.search(r"srun status [1-9]", job.output) and "task 1: Exited with exit code 3" in job.output, \
         job.describe()
-    assert job.seconds < 30 and not job.leftovers, job.describe()
+    # < 90 s: node 1 left running would sleep 120 s; a job on a loaded machine took 31.6 s (the bound was 30 s)
+    assert job.seconds < 90 and not job.leftovers, job.describe()
 
 
 def test_srun_without_kill_waits_for_all(cluster, tmp_path):
