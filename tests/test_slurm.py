@@ -421,7 +421,7 @@ def test_srun_kill_on_bad_exit(cluster, tmp_path):
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'if [[ $SLURM_NODEID == 1 ]]; then exit 3; fi; exec sleep 120'
 echo "srun status $?"
 """)
-    job = sbatch(cluster, tmp_path, script, timeout=60)
+    job = sbatch(cluster, tmp_path, script, timeout=100)
     assert job.state == "COMPLETED", job.describe()
     assert re.search(r"srun status [1-9]", job.output) and "task 1: Exited with exit code 3" in job.output, \
         job.describe()
@@ -460,12 +460,12 @@ kill -TERM "$pid"
 wait "$pid"
 echo "srun status after TERM: $?"
 """)
-    job = sbatch(cluster, tmp_path, script, timeout=60)
+    job = sbatch(cluster, tmp_path, script, timeout=100)
     out = job.output
     assert "task 0 got USR1" in out and "task 1 got USR1" in out and "srun status after USR1: 0" in out, job.describe()
     assert "forcing job termination" in out and re.search(r"srun status after TERM: [1-9]", out), job.describe()
     assert "got TERM" not in out and out.count(": Killed") == 2, job.describe()  # SIGKILL, not SIGTERM
-    assert job.seconds < 40 and not job.leftovers, job.describe()
+    assert job.seconds < 90 and not job.leftovers, job.describe()  # a task left running would sleep 120 s
 
 
 # ============================================================================ the job scripts, on the CPU
