@@ -41,8 +41,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.checkpoint import (checkpoint_path, failure, read_for_resume, restore_raw, resume_disagreement,
                                   resume_problem, save_atomic, stop_unless_written, what_was_seen)
-from cifar_wrn.cli import (add_training_flags, check_training_flags, free_port, launched_by_torchrun, port_from_env,
-                           port_is_free, recipe_from_args, show_progress)
+from cifar_wrn.cli import (add_training_flags, check_training_flags, launched_by_torchrun, port_from_env, port_is_free,
+                           recipe_from_args, show_progress)
 from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
                             loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
@@ -381,9 +381,8 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
         args.num_nodes = int(os.environ["WORLD_SIZE"]) // args.num_gpus
         args.node_id = int(os.environ["RANK"]) // args.num_gpus
         args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
-    elif args.num_nodes == 1:  # a single node can meet at home, on any free port
+    elif args.num_nodes == 1:  # a single node can meet at home, on any free port (the launcher takes one below)
         args.master_addr = args.master_addr or "127.0.0.1"
-        args.master_port = free_port() if args.master_port is None else args.master_port
     check_launch(args, cuda_count)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
@@ -418,6 +417,15 @@ if __name__ == "__main__":
 
     signal.signal(signal.SIGUSR1, pass_on_stop)
     signal.signal(signal.SIGTERM, pass_on_stop)
+    # R1.3: one node and no port given: this launcher holds the rendezvous store (the key-value store through which
+    # the ranks find each other) on a port the system picks, as torchrun's agent does. Held from now on, the port
+    # cannot be taken by another program in the seconds before rank 0 would have bound it; torch makes every rank
+    # a client of the store at MASTER_ADDR:MASTER_PORT when TORCHELASTIC_USE_AGENT_STORE says the launcher hosts it.
+    if args.master_port is None:
+        store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)  # R1.3
+        args.master_port = store.port
+        os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(store.port),
+                          TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)

@@ -255,3 +255,50 @@ def test_corrupt_file_is_named(tmp_path, cifar_dir):
     result = run_raw("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
     assert result.returncode == 2
     assert f"{batch} cannot be read" in result.stderr and "Traceback" not in result.stderr
+
+
+def tcp_sockets(pid: int) -> list[tuple[int, int, str]]:
+    """(local port, remote port, state) of the TCP sockets process pid holds, from /proc (IPv4 and IPv6)."""
+    from pathlib import Path
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    sockets = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                state = {"0A": "LISTEN", "01": "ESTABLISHED"}.get(fields[3], fields[3])
+                sockets.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16), state))
+    return sockets
+
+
+def test_the_launcher_holds_the_port_it_chose(cifar_dir, tmp_path):
+    """One node and no port given: the launcher itself listens on the rendezvous port from before it starts the
+    ranks, and both ranks are its clients; rank 0 serves nothing. (Before, the launcher picked a free port and
+    rank 0 bound it seconds later, after importing torch: another program could take it meanwhile, and did, once,
+    in a parallel test run: EADDRINUSE.)"""
+    import os
+    import signal
+    from conftest import wait_for_epoch
+    proc = start([sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--epochs", 200,
+                  "--log-json", tmp_path / "l.jsonl"])
+    try:
+        wait_for_epoch(tmp_path / "l.jsonl")
+        ranks = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+                 if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        listening = [local for local, _, state in tcp_sockets(proc.pid) if state == "LISTEN"]
+        assert len(ranks) == 2 and len(listening) == 1, (ranks, tcp_sockets(proc.pid))
+        store_port = listening[0]
+        for pid in ranks:
+            sockets = tcp_sockets(pid)
+            assert any(remote == store_port and state == "ESTABLISHED" for _, remote, state in sockets), sockets
+            assert not any(local == store_port and state == "LISTEN" for local, _, state in sockets), sockets
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, 60)

@@ -1,0 +1,64 @@
+"""What one tiny 2-process test run of raw_ddp.py costs, and what tests/fast_exit/ (gc.freeze at exit) saves.
+
+    python bench/process_cost.py [--rounds 4]
+
+The tests' runs train for about a second; the rest of what they cost is Python starting and stopping three
+processes (the launcher and two ranks, each importing torch and, through DistributedDataParallel, torch._dynamo).
+This script times the same tiny run (the tests' synthetic data and width-4 model, 2 epochs) with and without
+tests/fast_exit on PYTHONPATH, alternating, and reports per variant the median wall time and CPU seconds (user +
+system of the run's processes, from the kernel's accounting of waited-for children) and the ratio of the two
+variants from the same invocation. Run it on a quiet machine; it takes about a minute per round.
+"""
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import FAST_EXIT, TINY, TRAIN_IMAGES, VAL_IMAGES, write_cifar  # noqa: E402
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_run(data_dir: Path, fast_exit: bool) -> tuple[float, float]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MASTER_PORT", "MASTER_ADDR")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
+    if fast_exit:
+        env["PYTHONPATH"] = str(FAST_EXIT)
+    cmd = [sys.executable, "raw_ddp.py", "--num-nodes", "1", "--node-id", "0", "--num-gpus", "2", *map(str, TINY),
+           "--data-dir", str(data_dir), "--train-subset", str(TRAIN_IMAGES), "--val-subset", str(VAL_IMAGES),
+           "--epochs", "2"]
+    cpu0, t0 = children_cpu(), time.monotonic()
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    return time.monotonic() - t0, children_cpu() - cpu0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4, help="runs per variant, alternating (default 4)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = write_cifar(Path(tmp))
+        times = {False: [], True: []}
+        for _ in range(args.rounds):
+            for fast_exit in (False, True):
+                times[fast_exit].append(one_run(data_dir, fast_exit))
+    medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+    for fast_exit, label in ((False, "plain exit"), (True, "tests/fast_exit")):
+        wall, cpu = medians[fast_exit]
+        print(f"{label:16s} median of {args.rounds}: {wall:5.1f} s wall, {cpu:5.1f} CPU-s")
+    print(f"ratio fast_exit / plain: wall {medians[True][0] / medians[False][0]:.2f}, "
+          f"CPU {medians[True][1] / medians[False][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
