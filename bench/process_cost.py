@@ -1,11 +1,11 @@
-"""What one tiny 2-process test run of raw_ddp.py costs, and what tests/fast_exit/ (gc.freeze at exit) saves.
+"""What one tiny 2-process test run of raw_ddp.py costs, and what tests/lean_gc/ (less garbage collection) saves.
 
     python bench/process_cost.py [--rounds 4]
 
 The tests' runs train for about a second; the rest of what they cost is Python starting and stopping three
 processes (the launcher and two ranks, each importing torch and, through DistributedDataParallel, torch._dynamo).
 This script times the same tiny run (the tests' synthetic data and width-4 model, 2 epochs) with and without
-tests/fast_exit on PYTHONPATH, alternating, and reports per variant the median wall time and CPU seconds (user +
+tests/lean_gc on PYTHONPATH, alternating, and reports per variant the median wall time and CPU seconds (user +
 system of the run's processes, from the kernel's accounting of waited-for children) and the ratio of the two
 variants from the same invocation. Run it on a quiet machine; it takes about a minute per round.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import FAST_EXIT, TINY, TRAIN_IMAGES, VAL_IMAGES, write_cifar  # noqa: E402
+from conftest import LEAN_GC, TINY, TRAIN_IMAGES, VAL_IMAGES, write_cifar  # noqa: E402
 
 
 def children_cpu() -> float:
@@ -29,11 +29,11 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def one_run(data_dir: Path, fast_exit: bool) -> tuple[float, float]:
+def one_run(data_dir: Path, lean_gc: bool) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MASTER_PORT", "MASTER_ADDR")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
-    if fast_exit:
-        env["PYTHONPATH"] = str(FAST_EXIT)
+    if lean_gc:
+        env["PYTHONPATH"] = str(LEAN_GC)
     cmd = [sys.executable, "raw_ddp.py", "--num-nodes", "1", "--node-id", "0", "--num-gpus", "2", *map(str, TINY),
            "--data-dir", str(data_dir), "--train-subset", str(TRAIN_IMAGES), "--val-subset", str(VAL_IMAGES),
            "--epochs", "2"]
@@ -50,13 +50,13 @@ def main():
         data_dir = write_cifar(Path(tmp))
         times = {False: [], True: []}
         for _ in range(args.rounds):
-            for fast_exit in (False, True):
-                times[fast_exit].append(one_run(data_dir, fast_exit))
+            for lean_gc in (False, True):
+                times[lean_gc].append(one_run(data_dir, lean_gc))
     medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    for fast_exit, label in ((False, "plain exit"), (True, "tests/fast_exit")):
-        wall, cpu = medians[fast_exit]
+    for lean_gc, label in ((False, "plain Python"), (True, "tests/lean_gc")):
+        wall, cpu = medians[lean_gc]
         print(f"{label:16s} median of {args.rounds}: {wall:5.1f} s wall, {cpu:5.1f} CPU-s")
-    print(f"ratio fast_exit / plain: wall {medians[True][0] / medians[False][0]:.2f}, "
+    print(f"ratio lean_gc / plain: wall {medians[True][0] / medians[False][0]:.2f}, "
           f"CPU {medians[True][1] / medians[False][1]:.2f}")
 
 
