@@ -219,15 +219,16 @@ def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     return result, out
 
 
-def wait_for_epoch(log_path, timeout=120):
-    """Block until a run's JSON log holds its first epoch record (then signal it mid-run)."""
+def wait_for_epoch(log_path, timeout=120, text='"kind": "epoch"'):
+    """Block until a run's JSON log holds its first epoch record (then signal it mid-run); with `text`, until
+    the log holds that text (the first record that says so)."""
     import time
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if log_path.exists() and '"kind": "epoch"' in log_path.read_text():
+        if log_path.exists() and text in log_path.read_text():
             return
         time.sleep(0.05)
-    pytest.fail("the run never finished its first epoch")
+    pytest.fail(f"the run never wrote {text} to its log within {timeout} s")
 
 
 def check_profile(log_path, trace_dir):

@@ -1,16 +1,21 @@
 """The safety net (recipe key extra_epochs, issue 25): when the epoch budget ends with the target still
 reachable within the extra epochs, both trainers train on at the budget's last epoch's learning rates; the
 epoch lines and the JSON log say so, and a checkpoint taken inside an extra epoch resumes exactly."""
+import json
+import os
 import re
+import signal
+import sys
 
 import pytest
 import torch
 
+from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp as run_raw
-from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, wait_for_epoch
+from test_accel import CONFIGS, accel_env, reliability_flags
 
 PREEMPTED_EXIT = 75
 EPOCH = re.compile(r"^Epoch = +(\d+): Cumulative Time = .*Validation Accuracy = [\d.]+$", re.M)
@@ -100,21 +105,27 @@ def test_extra_epochs_is_checked_and_only_fast_turns_it_on():
 
 # ----------------------------------------------------------------------------- both trainers, 2 processes
 
-def launcher(trainer, cifar_dir, ck):
+def command(trainer, cifar_dir, ck, *extra) -> tuple[list, dict]:
+    """(command line, environment) of a 2-process run of `trainer` with a 2-epoch budget and target 0."""
     common = ["--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
               "--epochs", 2, "--target-accuracy", 0.0, "--set", "lr_schedule=warmup_linear",
-              "--set", "warmup_epochs=0.5", "--checkpoint-dir", ck]
+              "--set", "warmup_epochs=0.5", "--checkpoint-dir", ck, *extra]
     if trainer == "raw":
-        return lambda *extra, env=None: run_raw("--num-gpus", 2, *TINY, *common, *extra, env=env)
-    return lambda *extra, env=None: accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir),
-                                                      *common, *extra, env=env)
+        return [sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *common], cpu_env()
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
+            "--main_process_port", free_port(), "accel_train.py", *reliability_flags(cifar_dir), *common], accel_env()
+
+
+def launcher(trainer, cifar_dir, ck):
+    """Runs of `trainer` into checkpoint folder ck, each to its end (240 s at most: a loaded machine)."""
+    return lambda *extra: finish(start(*command(trainer, cifar_dir, ck, *extra)), 240)
 
 
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     """Target 0 makes every epoch pass: with patience 3 a 2-epoch budget ends one short (a deterministic near
-    miss), so extra_epochs=2 runs epoch 3, which completes the criterion. (Its resume inside an extra epoch used
-    the stop-at-step test hook that issue 26 removed; to be tested again with a real signal.)"""
+    miss), so extra_epochs=2 runs epoch 3, which completes the criterion. (A stop and resume inside an extra
+    epoch: test_a_sigterm_inside_an_extra_epoch_resumes_exactly.)"""
     keys = ["--patience", 3, "--set", "extra_epochs=2"]
     straight = launcher(trainer, cifar_dir, tmp_path / "ck_a")(*keys, "--save", tmp_path / "a.pt",
                                                                "--log-json", tmp_path / "a.jsonl")
@@ -138,3 +149,68 @@ def test_the_net_does_not_fire_when_the_criterion_is_out_of_reach(cifar_dir, tmp
     assert "Target accuracy 0.0 not reached 4 epochs in a row within 2 epochs\n" in result.stdout
     _, epochs = read_log(tmp_path / "log.jsonl")
     assert not any("safety_net" in e or "extra_epoch" in e for e in epochs)
+
+
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, trainer):
+    """A run stopped by a real SIGTERM (as test_agreement.py's resume tests send it) inside one of the net's
+    epochs, then resumed, trains the net's epochs exactly as a run never stopped: the same epochs, numbered
+    on (extra_epoch 1, 2, ... from the budget's end, not from the resume), one safety-net record, the same
+    validation results every epoch and bit-for-bit the same saved weights.
+
+    Epochs of two steps (128 images, 2 x 32 a step), so that each extra epoch replays two different rates
+    (warmup_linear: 2/3 and 1/3 of the peak) and a resume that lost the scheduler's place in the net would
+    train at the wrong one (with one-step epochs every extra epoch has the same rate, and it would not show).
+    The device pipeline: the ranks may agree on a stop after either step (every 1-10 steps, resilience.py), and
+    accel_train.py's prepared loader resumes bit for bit only at an epoch's end (test_accel.py's SIGUSR1 test).
+    Target 0: every epoch passes; patience 30 with extra_epochs=30: the 2-epoch budget ends 28 short, the net
+    fires and the run stops after epoch 30, 28 extra epochs, giving the signal sent after the first extra
+    epoch's record ample time to land inside the net."""
+    keys = ["--train-subset", 128, "--set", "data_pipeline=device", "--patience", 30, "--set", "extra_epochs=30"]
+    straight = launcher(trainer, cifar_dir, tmp_path / "ck_straight")(*keys, "--save", tmp_path / "straight.pt",
+                                                                      "--log-json", tmp_path / "straight.jsonl")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    last_line = "Early stopping after epoch 30 (28 safety-net epoch(s) after the 2-epoch budget)"
+    assert [int(n) for n in EPOCH.findall(straight.stdout)] == list(range(1, 31)) and last_line in straight.stdout
+
+    ck, log = tmp_path / "ck", tmp_path / "l.jsonl"
+    proc = start(*command(trainer, cifar_dir, ck, *keys, "--log-json", log))
+    wait_for_epoch(log, text='"extra_epoch"')  # the net's first epoch (epoch 3) is logged
+    # raw_ddp.py's launcher leads its own session: SIGTERM to the group reaches it and every rank. accelerate
+    # launch is sent SIGTERM alone, as Slurm's --signal=B: would (SIGUSR1 would kill its torchrun agent).
+    os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, 240)
+    state = load_checkpoint(ck) if trainer == "raw" else read_training_state(latest_checkpoint(ck))
+    epoch, step = state["epoch"], state["step"]  # the epochs finished, the steps done of the next one
+    # (the ranks exit 75; accelerate launch, re-raising the SIGTERM its agent passed on, exits 1: test_accel.py)
+    assert stopped.returncode == (PREEMPTED_EXIT if trainer == "raw" else 1), stopped.stderr[-3000:]
+    assert step in (1, 2) and 3 <= epoch < 30, (epoch, step, stopped.stdout[-2000:], stopped.stderr[-3000:])
+    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, \
+        stopped.stderr[-3000:]
+    assert [int(n) for n in EPOCH.findall(stopped.stdout)] == list(range(1, epoch + 1))
+    assert stopped.stdout.count("Safety net: ") == 1 and re.search(r"^Epoch =  2: .*\nSafety net: ", stopped.stdout,
+                                                                    re.M), stopped.stdout
+
+    resumed = finish(start(*command(trainer, cifar_dir, ck, *keys, "--resume", "--log-json", log,
+                                    "--save", tmp_path / "resumed.pt")), 240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"epoch {epoch + 1}, step {step} of 2" in resumed.stdout, resumed.stdout
+    assert [int(n) for n in EPOCH.findall(resumed.stdout)] == list(range(epoch + 1, 31))
+    assert last_line in resumed.stdout and "Safety net: " not in resumed.stdout  # said once, at the budget's end
+
+    # The log as written (read_log would hide a repeated epoch): the stopped run's records, then the resumed
+    # run's, each epoch once, and what each says of the net the same as the run never stopped.
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    headers = [r for r in records if r["kind"] == "header"]
+    assert [h["resumed_at"] for h in headers] == [None, {"epoch": epoch + 1, "step": step}]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == list(range(1, 31))
+    assert [e.get("extra_epoch") for e in epochs] == [None, None, *range(1, 29)]
+    assert [e["epoch"] for e in epochs if "safety_net" in e] == [2]
+    assert epochs[1]["safety_net"] == {"budget": 2, "extra_epochs": 30, "streak": 2, "patience": 30}
+    course = lambda e: {k: e.get(k) for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy")}
+    assert [course(e) for e in epochs] == [course(e) for e in read_log(tmp_path / "straight.jsonl")[1]]
+    assert epochs[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
+
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
