@@ -374,3 +374,17 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
                   "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--epochs", 2,
                   "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl"], timeout=300)
     return result, out
+
+
+# ---- shared runs (share-more)
+
+@pytest.fixture(scope="session")
+def rank_1_raises(cifar_dir) -> Result:
+    """raw_ddp.py, 2 processes, rank 1 raising in its first forward pass (cifar_wrn/faults.py): one run for
+    test_raw_ddp.py's test_worker_that_raises_is_named_with_traceback and test_reliability.py's
+    test_rank_that_raises_ends_the_run_promptly, which launched it with the same flags. --dist-timeout 300: rank 0,
+    were it left waiting, would wait that long, so each test's bound on the run's time tells. The timeout (240 s)
+    only kills a hang; the tests assert their own bounds on result.seconds."""
+    return raw_ddp("--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES,
+                   "--val-subset", VAL_IMAGES, "--dist-timeout", 300, env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
+                   timeout=240)

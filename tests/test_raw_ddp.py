@@ -217,11 +217,11 @@ def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     assert "Traceback" not in result.stderr
 
 
-def test_worker_that_raises_is_named_with_traceback(cifar_dir):
+def test_worker_that_raises_is_named_with_traceback(rank_1_raises):
     """Rank 1 raises: the run ends soon after, not when rank 0 gives up waiting for it (--dist-timeout 300; the
-    bound leaves room for the start-up of 2 processes on a loaded machine, 70 s measured)."""
-    result = run_raw("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 300,
-                     env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1), timeout=240)
+    bound leaves room for the start-up of 2 processes on a loaded machine, 70 s measured). The run is conftest's
+    rank_1_raises, shared with tests/test_reliability.py's test_rank_that_raises_ends_the_run_promptly."""
+    result = rank_1_raises
     assert result.returncode == 1
     assert "error: rank 1 failed" in result.stderr
     assert "Traceback" in result.stderr and "injected test fault in rank 1" in result.stderr

@@ -15,7 +15,7 @@ from cifar_wrn.checkpoint import (CheckpointError, check_writable, load_checkpoi
                                   save_atomic)
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from conftest import (wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, raw_ddp as run_raw, resume_flags,
+from conftest import (wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, finish, raw_ddp as run_raw, resume_flags,
                       start)
 
 PREEMPTED_EXIT = 75
@@ -263,11 +263,11 @@ def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     assert result.returncode != 0 and "rank 1 was killed by SIGKILL" in result.stderr
 
 
-def test_rank_that_raises_ends_the_run_promptly(cifar_dir):
+def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
     # (rank 1 raises in its first forward pass; rank 0, were it left waiting, would wait --dist-timeout, 300 s:
-    # the bound is start-up on a loaded machine, 42 s measured, plus the stop)
-    result = run_raw(*flags(cifar_dir, "--dist-timeout", 300), env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
-                     timeout=200)
+    # the bound is start-up on a loaded machine, 42 s measured, plus the stop. The run is conftest's rank_1_raises,
+    # shared with tests/test_raw_ddp.py's test_worker_that_raises_is_named_with_traceback: the same flags.)
+    result = rank_1_raises
     assert result.returncode == 1 and result.seconds < 120
     assert "error: rank 1 failed" in result.stderr and "injected test fault in rank 1" in result.stderr
 

@@ -14,7 +14,8 @@ import torch
 
 from cifar_wrn.checkpoint import TRAINING_STATE, CheckpointError, load_checkpoint, read_training_state
 from cifar_wrn.data import DataError, load_split
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, run, synthetic_batch, write_cifar
+from conftest import (TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, resume_flags, run, synthetic_batch,
+                      write_cifar)
 
 NOT_OURS = "is not a checkpoint this project wrote"
 
@@ -289,13 +290,13 @@ def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_pa
 
 # ----------------------------------------------------------------------------- a part one rank cannot load
 
-def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path):
-    ck = tmp_path / "ck"
-    common = ["--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--checkpoint-dir", ck]
-    assert raw_ddp(*common, "--epochs", 1).returncode == 0
+def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path, resume_runs):
+    """Any real 2-process checkpoint will do: a copy of conftest's resume_runs (raw_ddp.py after epoch 1), resumed
+    with the flags it was written with (resume_flags), so that only rank 1's missing part can stop the run."""
+    ck = resume_runs.copy("raw/ck", tmp_path)
     state = torch.load(ck / "checkpoint.pt")
     torch.save({**state, "rng": state["rng"][:1]}, ck / "checkpoint.pt")  # data only, but rank 1's part is gone
-    result = raw_ddp(*common, "--epochs", 2, "--resume")
+    result = raw_ddp("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"))
     assert result.returncode == 2, result.stderr[-3000:]
     expected = "rank 1: its part of the checkpoint was found but cannot be loaded into this run (IndexError"
     assert result.stderr.count(expected) == 2, result.stderr[-3000:]  # each rank says why it stopped
