@@ -266,7 +266,7 @@ def job_env(cluster: SlurmCluster, tmp_path: Path, tag: str, **extra) -> dict:
     env.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]), PYTHON=sys.executable,
                VENV="", MODULES="", DEVICE="cpu", RUNS_DIR=str(tmp_path / "runs"), PROBE_DIR=str(tmp_path),
                PYTHONWARNINGS="ignore::UserWarning", SLURM_TEST_TAG=tag,
-               PYTHONPATH=LEAN_GC)  # less garbage collection in the job's Python processes, as cpu_env
+               PYTHONPATH=str(LEAN_GC))  # less garbage collection in the job's Python processes, as cpu_env
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
