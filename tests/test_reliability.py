@@ -253,10 +253,24 @@ def rank_processes(launcher_pid, count=2, timeout=60):
 
 
 def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
+    """Rank 1 killed mid-run: rank 0 and the launcher end within seconds and name it. First, in the same run
+    (one launch for two claims), the rendezvous: one node and no port given, the launcher itself listens on the
+    store's port and both ranks are its clients; rank 0 serves nothing. (Before, the launcher picked a free port
+    and rank 0 bound it seconds later, after importing torch: another program could take it meanwhile, and
+    once in a parallel test run did: EADDRINUSE.)"""
     proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, "--batch-size", 4, "--epochs", 50,
                                                        "--log-json", tmp_path / "l.jsonl")])
     wait_for_epoch(tmp_path / "l.jsonl")
-    rank_processes(proc.pid)[1].kill()  # SIGKILL, as the OOM killer would
+    ranks = rank_processes(proc.pid)
+    launcher_sockets = psutil.Process(proc.pid).net_connections("tcp")
+    listening = [c.laddr.port for c in launcher_sockets if c.status == psutil.CONN_LISTEN]
+    assert len(listening) == 1, launcher_sockets
+    for rank in ranks:
+        sockets = rank.net_connections("tcp")
+        assert any(c.raddr and c.raddr.port == listening[0] and c.status == psutil.CONN_ESTABLISHED
+                   for c in sockets), sockets
+        assert not any(c.laddr.port == listening[0] and c.status == psutil.CONN_LISTEN for c in sockets), sockets
+    ranks[1].kill()  # SIGKILL, as the OOM killer would
     t0 = time.monotonic()
     result = finish(proc, 90)
     assert time.monotonic() - t0 < 40
