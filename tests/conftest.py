@@ -153,17 +153,9 @@ def cifar_dir(tmp_path_factory) -> Path:
 
 
 def free_port() -> int:
-    """A port free now, for the tests that must name one before any launcher binds it (two launchers of one
-    run); another process may take it before then, so single launchers get ANY_PORT instead."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-# --master_port for torchrun and --main_process_port for accelerate launch (which starts torchrun's agent): the
-# agent hosts the rendezvous store on a port the system picks and passes it to its ranks, so nothing can take
-# it in between (as raw_ddp.py's launcher does with one node and no --master-port).
-ANY_PORT = 0
 
 
 @dataclass
@@ -377,7 +369,7 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     tests/test_profile.py's profile test read it (one launch for both: the launcher does not matter to the
     profile, the profile not to the launch)."""
     out = tmp_path_factory.mktemp("torchrun_profile")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", ANY_PORT,
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
                   "raw_ddp.py", *TINY, "--model-width", 8, "--data-dir", cifar_dir,
                   "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--epochs", 2,
                   "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl"], timeout=300)

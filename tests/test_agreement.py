@@ -18,8 +18,8 @@ from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
-from conftest import (ANY_PORT, PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port,
-                      raw_ddp as run_raw, resume_flags, start, synthetic_batch)
+from conftest import (PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw,
+                      resume_flags, start, synthetic_batch)
 from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
 
 PREEMPTED_EXIT = 75
@@ -333,7 +333,7 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
         env, state = cpu_env(), lambda: load_checkpoint(ck)
     else:
         command = lambda *extra: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                  CONFIGS / "two_cpus.yaml", "--main_process_port", ANY_PORT, "accel_train.py",
+                                  CONFIGS / "two_cpus.yaml", "--main_process_port", free_port(), "accel_train.py",
                                   *reliability_flags(cifar_dir, *one_step, *extra)]
         env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
     proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)

@@ -14,7 +14,7 @@ from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_traini
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
-from conftest import ANY_PORT, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, wait_for_epoch
 from test_accel import CONFIGS, accel_env, reliability_flags
 
 PREEMPTED_EXIT = 75
@@ -113,7 +113,7 @@ def command(trainer, cifar_dir, ck, *extra) -> tuple[list, dict]:
     if trainer == "raw":
         return [sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *common], cpu_env()
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
-            "--main_process_port", ANY_PORT, "accel_train.py", *reliability_flags(cifar_dir), *common], accel_env()
+            "--main_process_port", free_port(), "accel_train.py", *reliability_flags(cifar_dir), *common], accel_env()
 
 
 def launcher(trainer, cifar_dir, ck):
