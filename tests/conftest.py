@@ -178,9 +178,26 @@ def cpu_env(**extra) -> dict:
 
 
 def start(cmd, env=None, cwd=REPO) -> subprocess.Popen:
-    """A new session, so that a timeout can kill the launcher and every rank it spawned."""
+    """A new session, so that a timeout can kill the launcher and every rank it spawned (kill_all)."""
     return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the process started by start(), its group, and every process descending from it. The group alone
+    is not enough: torchrun's agent (which accelerate launch runs too) starts each rank in a session of its own,
+    and a rank left alive holds the test's pipes open, so that communicate() would wait for it, a hang."""
+    import psutil
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # before the kill orphans them
+    except psutil.Error:
+        descendants = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for process in descendants:
+        try:
+            process.kill()
+        except psutil.Error:  # gone already
+            pass
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> Result:
@@ -189,9 +206,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s (process group killed)\nstdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(f"timed out after {timeout} s (every process killed)\nstdout:\n{out}\nstderr:\n{err}")
     return Result(proc.returncode, out, err, time.monotonic() - t0)
 
 

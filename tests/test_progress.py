@@ -14,7 +14,6 @@ import os
 import pty
 import re
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from cifar_wrn import progress
 from cifar_wrn.cli import add_training_flags, show_progress
 from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
 from cifar_wrn.model import WideResNet
-from conftest import REPO, TINY, VAL_IMAGES, cpu_env, free_port
+from conftest import REPO, TINY, VAL_IMAGES, cpu_env, free_port, kill_all
 from test_accel import CONFIGS, accel_env, reliability_flags
 
 TIMEOUT = 240  # seconds per run; the whole process group is killed after that
@@ -241,7 +240,7 @@ def run_in_terminal(cmd, env) -> tuple[int, str, str]:
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(proc)
             proc.wait()
         os.close(controller)
         proc.stdout.close()
@@ -257,7 +256,7 @@ def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
         try:
             proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(proc)
             proc.wait()
             pytest.fail(f"timed out after {TIMEOUT} s (process group killed): {' '.join(map(str, cmd))}")
     # Bytes: read_text() would turn every "\r" into "\n" (universal newlines) and hide what is looked for.
