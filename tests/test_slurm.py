@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LEAN_GC, run
+from conftest import run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -265,8 +265,7 @@ def job_env(cluster: SlurmCluster, tmp_path: Path, tag: str, **extra) -> dict:
     env = cluster.client_env({k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS})
     env.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]), PYTHON=sys.executable,
                VENV="", MODULES="", DEVICE="cpu", RUNS_DIR=str(tmp_path / "runs"), PROBE_DIR=str(tmp_path),
-               PYTHONWARNINGS="ignore::UserWarning", SLURM_TEST_TAG=tag,
-               PYTHONPATH=str(LEAN_GC))  # less garbage collection in the job's Python processes, as cpu_env
+               PYTHONWARNINGS="ignore::UserWarning", SLURM_TEST_TAG=tag)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
