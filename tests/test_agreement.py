@@ -168,8 +168,10 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
     """Before evaluation rank 0's BatchNorm statistics are broadcast. With an EMA, AveragedModel.buffers() also
     holds its update counter: broadcasting it is useless, and on GPUs (a CPU tensor through NCCL) a crash."""
     calls, emas = record_evaluation_broadcasts(monkeypatch, raw_ddp, raw_ddp.dist, "broadcast")
-    args, recipe = raw_ddp.resolve(raw_ddp.parse_args(
-        [str(f) for f in flags(cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9")]))
+    # --master-port: run in-process, without the launcher that would otherwise host the rendezvous on a port of
+    # its own (raw_ddp.py's __main__), so rank 0 binds this one itself
+    args, recipe = raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags(
+        cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port())]))
     raw_ddp.train_process(0, args, recipe)
     check_only_network_buffers(calls, emas)
 
