@@ -32,7 +32,7 @@ from cifar_wrn.model import WideResNet
 from conftest import REPO, TINY, VAL_IMAGES, cpu_env, free_port, kill_all
 from test_accel import CONFIGS, accel_env, reliability_flags
 
-TIMEOUT = 240  # seconds per run; the whole process group is killed after that
+TIMEOUT = 240  # seconds per run; every process it started is killed after that (conftest.kill_all)
 STEPS = 5      # 320 training images, 32 per process, 2 processes
 EPOCH_LINE = re.compile(r"^Epoch = +1: Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
                         r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
@@ -227,7 +227,7 @@ def run_in_terminal(cmd, env) -> tuple[int, str, str]:
     try:
         while open_fds:
             if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {TIMEOUT} s (process group killed): {' '.join(map(str, cmd))}")
+                pytest.fail(f"timed out after {TIMEOUT} s (every process killed): {' '.join(map(str, cmd))}")
             for fd in select.select(list(open_fds), [], [], 1.0)[0]:
                 try:
                     data = os.read(fd, 65536)
@@ -258,7 +258,7 @@ def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
         except subprocess.TimeoutExpired:
             kill_all(proc)
             proc.wait()
-            pytest.fail(f"timed out after {TIMEOUT} s (process group killed): {' '.join(map(str, cmd))}")
+            pytest.fail(f"timed out after {TIMEOUT} s (every process killed): {' '.join(map(str, cmd))}")
     # Bytes: read_text() would turn every "\r" into "\n" (universal newlines) and hide what is looked for.
     return proc.returncode, *((folder / name).read_bytes().decode() for name in ("out.txt", "err.txt"))
 

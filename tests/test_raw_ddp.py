@@ -255,4 +255,3 @@ def test_corrupt_file_is_named(tmp_path, cifar_dir):
     result = run_raw("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
     assert result.returncode == 2
     assert f"{batch} cannot be read" in result.stderr and "Traceback" not in result.stderr
-
