@@ -20,7 +20,7 @@ from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
 from conftest import (PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw,
                       resume_flags, start, synthetic_batch)
-from test_accel import CONFIGS, accel_env, accelerate_launch, reliability_flags
+from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags
 
 PREEMPTED_EXIT = 75
 
@@ -233,7 +233,7 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_
     for node in two_accel_nodes([node_flags(ck), node_flags(node1_dir)], timeout=240):
         assert node.returncode != 0 and node.seconds < 180, node.stderr[-3000:]  # start-up (~20 s quiet,
         # much more under 4 loaded workers); a node left waiting would take --dist-timeout (300 s) more
-        assert f"error: cannot resume from " in node.stderr and expected in node.stderr, node.stderr[-3000:]
+        assert "error: cannot resume from " in node.stderr and expected in node.stderr, node.stderr[-3000:]
         assert "Epoch = " not in node.stdout and 'accel_train.py", line' not in node.stderr
 
 
@@ -334,9 +334,8 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
         command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *flags(cifar_dir, *one_step, *extra)]
         env, state = cpu_env(), lambda: load_checkpoint(ck)
     else:
-        command = lambda *extra: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                  CONFIGS / "two_cpus.yaml", "--main_process_port", free_port(), "accel_train.py",
-                                  *reliability_flags(cifar_dir, *one_step, *extra)]
+        command = lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml",
+                                                    *reliability_flags(cifar_dir, *one_step, *extra))
         env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
     proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)
     from conftest import wait_for_epoch

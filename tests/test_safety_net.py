@@ -14,8 +14,8 @@ from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_traini
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, start, wait_for_epoch
-from test_accel import CONFIGS, accel_env, reliability_flags
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
+from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
 PREEMPTED_EXIT = 75
 EPOCH = re.compile(r"^Epoch = +(\d+): Cumulative Time = .*Validation Accuracy = [\d.]+$", re.M)
@@ -112,8 +112,7 @@ def command(trainer, cifar_dir, ck, *extra) -> tuple[list, dict]:
               "--set", "warmup_epochs=0.5", "--checkpoint-dir", ck, *extra]
     if trainer == "raw":
         return [sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *common], cpu_env()
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
-            "--main_process_port", free_port(), "accel_train.py", *reliability_flags(cifar_dir), *common], accel_env()
+    return accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir), *common), accel_env()
 
 
 def launcher(trainer, cifar_dir, ck):

@@ -50,8 +50,8 @@ def test_per_epoch_statistics_and_criterion_counts(tmp_path):
 
 
 def test_other_recipes_and_unreadable_logs_are_named(tmp_path):
-    logs = [write_log(tmp_path / "a.jsonl", 0, [0.8, 0.86, 0.87]),
-            write_log(tmp_path / "b.jsonl", 1, [0.8, 0.86, 0.87], recipe={"base_lr": 0.2})]
+    write_log(tmp_path / "a.jsonl", 0, [0.8, 0.86, 0.87])
+    write_log(tmp_path / "b.jsonl", 1, [0.8, 0.86, 0.87], recipe={"base_lr": 0.2})
     (tmp_path / "cut.jsonl").write_text('{"kind": "header", "recipe": {}}\n{"kind": "epo')  # killed mid-write
     (tmp_path / "empty.jsonl").write_text(json.dumps({"kind": "header", "recipe": RECIPE}) + "\n")
     runs, notes = seeds_summary.load_runs(seeds_summary.log_paths([tmp_path]))
