@@ -52,14 +52,14 @@ def accel_env(**extra) -> dict:
     return env
 
 
-def accelerate_command(config, *flags, launch_flags=()) -> list:
+def accelerate_command(config, *flags) -> list:
     """`accelerate launch` of accel_train.py with `config`, its rendezvous on a free port."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-            "--main_process_port", free_port(), *launch_flags, "accel_train.py", *flags]
+            "--main_process_port", free_port(), "accel_train.py", *flags]
 
 
-def accelerate_launch(config, *flags, launch_flags=(), env=None):
-    return finish(start(accelerate_command(config, *flags, launch_flags=launch_flags), env=env or accel_env()), TIMEOUT)
+def accelerate_launch(config, *flags, env=None):
+    return finish(start(accelerate_command(config, *flags), env=env or accel_env()), TIMEOUT)
 
 
 def data_flags(data_dir, train=TRAIN_IMAGES, val=VAL_IMAGES):
