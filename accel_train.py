@@ -56,7 +56,7 @@ from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.recipe import as_dict, build_training, check_supported
+from cifar_wrn.recipe import as_dict, build_training, check_supported, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
 
@@ -124,6 +124,8 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(accelerator.num_processes)))
         if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
             accelerator.print("warning: CUDA is not available: running on the CPU", file=sys.stderr)  # once a node
+        if warning := slow_bf16_warning(device.type, recipe.precision):  # a CPU without AVX-512 would crawl unsaid
+            accelerator.print(warning, file=sys.stderr)  # once a node
         if recipe.sync_bn:  # resolve() refuses it too where it can tell; this catches a launch without CUDA
             raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return accelerator, accelerator.process_index, accelerator.num_processes, device

@@ -51,7 +51,7 @@ from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.recipe import as_dict, build_training
+from cifar_wrn.recipe import as_dict, build_training, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
 
@@ -384,6 +384,8 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     elif args.num_nodes == 1:  # a single node can meet at home, on any free port (the launcher takes one below)
         args.master_addr = args.master_addr or "127.0.0.1"
     check_launch(args, cuda_count)
+    if warning := slow_bf16_warning(args.device, recipe.precision):  # a CPU without AVX-512 would crawl unsaid
+        print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return args, recipe

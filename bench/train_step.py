@@ -1,6 +1,7 @@
 """Training-step images/sec of the fast recipe against the baseline recipe, same device, real model.
 
     python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation] [--levers]
+    python bench/train_step.py --device cpu --fp32 --fast-batch 32 --warmup 1 --steps 1 --repeats 1   # a CPU's bf16
 
 One process, no DDP: this isolates what the recipe changes per step (precision, memory layout,
 batch size, cuDNN autotuning, data pipeline), not the communication. Each recipe runs warm-up steps,
@@ -10,7 +11,8 @@ the best rate of each is kept; the ratio fast / baseline comes from the same run
 the steps in between (baseline + bf16, + channels_last, + the fast batch size, + the on-device
 pipeline = fast), each against the baseline of the same run. --levers adds the fast recipe with each
 lever of docs/optimizations.md 14 on (Muon, Lookahead, the BatchNorm rates, alternating flips), each
-against the fast recipe of the same run (column "vs fast").
+against the fast recipe of the same run (column "vs fast"). --fp32 adds the fast recipe in fp32: whether
+this device's bf16 is fast at all (a CPU without AVX-512 has no bfloat16 kernels; raw_ddp.py warns of it).
 """
 import argparse
 import sys
@@ -88,6 +90,7 @@ def main():
     p.add_argument("--fast-batch", type=int, help="per-process batch of the fast recipe (default: the recipe's)")
     p.add_argument("--ablation", action="store_true", help="also time the steps from baseline to fast one by one")
     p.add_argument("--levers", action="store_true", help="also time fast.yaml with each lever of optimizations.md 14")
+    p.add_argument("--fp32", action="store_true", help="also time fast.yaml with precision fp32")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     global CLOCK
@@ -104,6 +107,8 @@ def main():
         recipes.update({"+ bf16": bf16, "+ channels_last": nhwc, f"+ batch {fast_batch}": nhwc})
         batch.update({"+ bf16": base.batch_size, "+ channels_last": base.batch_size, f"+ batch {fast_batch}": fast_batch})
     recipes["fast"], batch["fast"] = fast, fast_batch
+    if args.fp32:
+        recipes["fast in fp32"], batch["fast in fp32"] = dataclasses.replace(fast, precision="fp32"), fast_batch
     if args.levers:
         for name, overrides in LEVERS.items():
             recipes[f"fast + {name}"], batch[f"fast + {name}"] = dataclasses.replace(fast, **overrides), fast_batch

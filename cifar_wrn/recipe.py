@@ -215,6 +215,22 @@ def as_dict(recipe: Recipe) -> dict:
     return dataclasses.asdict(recipe)
 
 
+def slow_bf16_warning(device_type: str, precision: str, native: bool | None = None) -> str | None:
+    """The warning for bf16 autocast on a CPU whose oneDNN has no bfloat16 kernels (no AVX-512; `native`:
+    whether it has, found out when None). There every convolution falls back to a slow path: the real
+    model's training step ran 15 times slower than in fp32 on an AVX2-only CPU (docs/benchmarks.md,
+    "bf16 on a CPU without AVX-512"), so a student's CPU run of fast.yaml would crawl without a word."""
+    if device_type != "cpu" or precision != "bf16":
+        return None
+    if native is None:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if native:
+        return None
+    return ("warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each training "
+            "step runs many times slower than in fp32; for a CPU run add --set precision=fp32 (a different "
+            "recipe: its numbers are not the shipped recipe's)")
+
+
 # ----------------------------------------------------------------------------- optimisation
 
 def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:

@@ -307,6 +307,16 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
             assert error < (1e-6 if key.startswith("stem.") else 0.03), (key, error)
 
 
+def check_slow_bf16_warning(stderr: str):
+    """A bf16 run on this CPU warned once (per node) where the CPU lacks bfloat16 kernels, and not otherwise."""
+    from cifar_wrn.recipe import slow_bf16_warning
+    warning = slow_bf16_warning("cpu", "bf16")
+    if warning:
+        assert stderr.count(warning) == 1, stderr[-3000:]
+    else:
+        assert "without bfloat16 kernels" not in stderr, stderr[-3000:]
+
+
 def check_residual_bn_init(weights_path, gamma: float):
     """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
     import re

@@ -32,7 +32,7 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_bn_recalibrated, check_profile, check_metrics_of_saved_weights, check_residual_bn_init, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
+from conftest import (check_bn_recalibrated, check_profile, check_metrics_of_saved_weights, check_residual_bn_init, check_slow_bf16_warning, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
                       VAL_IMAGES, cpu_env, finish, free_port, parameter_distance, start, write_cifar)
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
@@ -343,6 +343,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     assert header["recipe"]["muon"] and header["recipe"]["alternating_flip"]
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
+    check_slow_bf16_warning(result.stderr)
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 

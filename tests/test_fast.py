@@ -14,7 +14,7 @@ from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_bn_recalibrated, check_metrics_of_saved_weights, check_residual_bn_init, ONE_STEP, TINY, TRAIN_IMAGES,
+from conftest import (check_bn_recalibrated, check_metrics_of_saved_weights, check_residual_bn_init, check_slow_bf16_warning, ONE_STEP, TINY, TRAIN_IMAGES,
                       VAL_IMAGES, parameter_distance, raw_ddp as run_raw, run)
 
 
@@ -105,6 +105,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
                      "--log-json", tmp_path / "log.jsonl", "--checkpoint-dir", tmp_path / "ckpt")
     assert result.returncode == 0, result.stderr
     assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
+    check_slow_bf16_warning(result.stderr)
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)

@@ -9,7 +9,7 @@ from torch.utils.data import DistributedSampler
 from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits)
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.recipe import (Recipe, RecipeError, build_optimizer, build_scheduler, load_recipe, parse_set,
-                              scaled_lr)
+                              scaled_lr, slow_bf16_warning)
 from conftest import TRAIN_IMAGES, write_cifar
 
 
@@ -165,6 +165,17 @@ def test_baseline_recipe_is_the_course_default():
 def test_recipe_overrides_are_typed():
     recipe = load_recipe("baseline", {**parse_set(["momentum=0.9", "precision=bf16", "nesterov=true"]), "epochs": 3})
     assert recipe.momentum == 0.9 and recipe.precision == "bf16" and recipe.nesterov is True and recipe.epochs == 3
+
+
+def test_bf16_on_a_cpu_without_bfloat16_kernels_is_warned_of():
+    """Only bf16 on a CPU that lacks the kernels: the warning names the way out (precision=fp32)."""
+    warning = slow_bf16_warning("cpu", "bf16", native=False)
+    assert warning.startswith("warning: precision bf16 on a CPU without bfloat16 kernels") and \
+        "--set precision=fp32" in warning
+    assert slow_bf16_warning("cpu", "bf16", native=True) is None
+    assert slow_bf16_warning("cpu", "fp32", native=False) is None and slow_bf16_warning("cuda", "bf16", False) is None
+    # Left to find out, it asks oneDNN (this machine's answer decides what the end-to-end runs must print).
+    assert slow_bf16_warning("cpu", "bf16") == (None if torch.ops.mkldnn._is_mkldnn_bf16_supported() else warning)
 
 
 @pytest.mark.parametrize("overrides, message", [
