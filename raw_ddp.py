@@ -372,8 +372,9 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     """Fill in what the launch implies (device, port, torchrun's ranks), check it, and read the recipe."""
     recipe = recipe_from_args(args)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    node_main = os.environ.get("LOCAL_RANK", "0") == "0"  # the launcher, or torchrun's local rank 0: once a node
     if args.device == "auto":
-        if cuda_count == 0:
+        if cuda_count == 0 and node_main:
             print("warning: CUDA is not available: running on the CPU with the gloo backend", file=sys.stderr)
         args.device = "cuda" if cuda_count else "cpu"
     if launched_by_torchrun():  # torchrun decided the topology; take it from its environment
@@ -384,7 +385,7 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     elif args.num_nodes == 1:  # a single node can meet at home, on any free port (the launcher takes one below)
         args.master_addr = args.master_addr or "127.0.0.1"
     check_launch(args, cuda_count)
-    if warning := slow_bf16_warning(args.device, recipe.precision):  # a CPU without AVX-512 would crawl unsaid
+    if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:  # else it would crawl unsaid
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")

@@ -391,13 +391,13 @@ def resume_runs(cifar_dir, tmp_path_factory) -> ResumeRuns:
 
 @pytest.fixture(scope="session")
 def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
-    """raw_ddp.py started by torchrun (2 processes), 2 epochs of a width-8 model with --profile and --trace:
-    (result, folder holding log.jsonl and trace/). tests/test_raw_ddp.py's torchrun launch and
+    """raw_ddp.py started by torchrun (2 processes), 2 epochs of a width-8 model in bf16 with --profile and
+    --trace: (result, folder holding log.jsonl and trace/). tests/test_raw_ddp.py's torchrun launch and
     tests/test_profile.py's profile test read it (one launch for both: the launcher does not matter to the
     profile, the profile not to the launch)."""
     out = tmp_path_factory.mktemp("torchrun_profile")
     result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-                  "raw_ddp.py", *TINY, "--model-width", 8, "--data-dir", cifar_dir,
+                  "raw_ddp.py", *TINY, "--model-width", 8, "--set", "precision=bf16", "--data-dir", cifar_dir,
                   "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--epochs", 2,
                   "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl"], timeout=300)
     return result, out

@@ -12,7 +12,7 @@ from cifar_wrn.data import CIFAR10, evaluate, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw, run, start
+from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, check_slow_bf16_warning, cpu_env, finish, free_port, raw_ddp as run_raw, run, start
 
 EPOCH_LINE = re.compile(r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
                         r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
@@ -191,10 +191,11 @@ def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
 
 
 def test_torchrun_launch(torchrun_profile_run):
-    """conftest's torchrun_profile_run (2 epochs; its --profile is tests/test_profile.py's)."""
+    """conftest's torchrun_profile_run (2 epochs, bf16; its --profile is tests/test_profile.py's)."""
     result, out = torchrun_profile_run
     assert result.returncode == 0, result.stderr
     assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]  # rank 0 only: each epoch once
+    check_slow_bf16_warning(result.stderr)  # every rank runs resolve() under torchrun; the node says it once
     header, _ = read_log(out / "log.jsonl")
     assert (header["world_size"], header["launcher"]) == (2, "torchrun")
 
