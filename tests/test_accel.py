@@ -471,9 +471,8 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     # 40 steps per epoch; the device pipeline: a prepared loader fetches the next batch before the step, so with
     # the per-image pipeline a mid-epoch resume is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--set", "data_pipeline=device", "--checkpoint-dir", ck]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
-           "--main_process_port", free_port(), "accel_train.py",
-           *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")]
+    cmd = accelerate_command(CONFIGS / "two_cpus.yaml",
+                             *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl"))
     proc = start(cmd, env=accel_env())
     ranks = worker_processes(proc.pid)
     wait_for_epoch(tmp_path / "l.jsonl")
@@ -504,10 +503,8 @@ def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tm
     """SIGTERM to the accelerate launch process: torchrun's agent sends SIGTERM to the ranks (and SIGKILL 30 s
     later); they checkpoint at the next check and exit 75; the agent re-raises the signal, so the launcher exits 1."""
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
-           "--main_process_port", free_port(), "accel_train.py",
-           *reliability_flags(cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck,
-                              "--log-json", tmp_path / "l.jsonl")]
+    cmd = accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(
+        cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck, "--log-json", tmp_path / "l.jsonl"))
     proc = start(cmd, env=accel_env())
     ranks = worker_processes(proc.pid)
     wait_for_epoch(tmp_path / "l.jsonl")

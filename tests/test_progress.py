@@ -29,8 +29,8 @@ from cifar_wrn import progress
 from cifar_wrn.cli import add_training_flags, show_progress
 from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
 from cifar_wrn.model import WideResNet
-from conftest import REPO, TINY, VAL_IMAGES, cpu_env, free_port, kill_all
-from test_accel import CONFIGS, accel_env, reliability_flags
+from conftest import REPO, TINY, VAL_IMAGES, cpu_env, kill_all
+from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
 TIMEOUT = 240  # seconds per run; every process it started is killed after that (conftest.kill_all)
 STEPS = 5      # 320 training images, 32 per process, 2 processes
@@ -202,8 +202,7 @@ def raw_command(data_dir, *flags):
 
 
 def accel_command(data_dir, *flags):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "two_cpus.yaml",
-            "--main_process_port", free_port(), "accel_train.py", *reliability_flags(data_dir, "--epochs", 1, *flags)]
+    return accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(data_dir, "--epochs", 1, *flags))
 
 
 TRAINERS = {"raw_ddp": (raw_command, cpu_env), "accel_train": (accel_command, accel_env)}
