@@ -58,7 +58,7 @@ from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training, check_supported, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
-from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
+from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 
 # The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
 # optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
@@ -325,7 +325,10 @@ def allreduce_estimate(args, steps_run, run, model, images, labels, criterion) -
 def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     per_node = local_world_size(accelerator.num_processes)
-    log = open_run_log(args.log_json if accelerator.is_main_process else None, progress, data, raw_model, recipe,
+    layout = f"{accelerator.num_processes // per_node}x{per_node}"
+    is_main = accelerator.is_main_process
+    path = is_main and run_log_path(args.log_json, args.checkpoint_dir, args.recipe, layout, prefix="accel-")
+    log = open_run_log(path or None, progress, data, raw_model, recipe,
                        lr, accelerator.num_processes, args.model_width, num_gpus=per_node,
                        num_nodes=accelerator.num_processes // per_node, backend=accelerator.state.backend or "none",
                        device=accelerator.device.type, launcher=launcher_name(), trainer="accelerate",

@@ -53,7 +53,7 @@ from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.recipe import as_dict, build_training, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
-from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log
+from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # R1.1
@@ -283,7 +283,9 @@ def allreduce_estimate(args, data: Loaders, model, raw_model, images, labels, cr
 
 def open_log(args, recipe, rank, world_size, device, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
-    return open_run_log(args.log_json if rank == 0 else None, progress, data, raw_model, recipe, lr, world_size,
+    layout = f"{args.num_nodes}x{args.num_gpus}"
+    path = rank == 0 and run_log_path(args.log_json, args.checkpoint_dir, args.recipe, layout)
+    return open_run_log(path or None, progress, data, raw_model, recipe, lr, world_size,
                         args.model_width, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
                         backend=dist.get_backend(), device=device.type,
                         launcher="torchrun" if launched_by_torchrun() else "mp.spawn")

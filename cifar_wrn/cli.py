@@ -29,7 +29,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
     p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
     p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
-    p.add_argument("--log-json", metavar="PATH", help="write a JSON-lines log: a header, then one object per epoch")
+    p.add_argument("--log-json", metavar="PATH",
+                   help="the JSON-lines log: a header, then one object per epoch (default: DIR/log.jsonl with "
+                        "--checkpoint-dir DIR, else a new folder under $RUNS_DIR, default runs/)")
     p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
     p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
     p.add_argument("--checkpoint-dir", metavar="DIR",

@@ -1,6 +1,7 @@
 """What a run writes: the course-style epoch line and a JSON-lines log (header, then one object per epoch)."""
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -107,6 +108,24 @@ def run_header(**fields) -> dict:
             "git_commit": git_commit(), "torch_version": torch.__version__, **fields}
 
 
+def run_log_path(log_json, checkpoint_dir, recipe_name: str, layout: str, prefix: str = "") -> str:
+    """Where rank 0 writes the JSON log: --log-json, else beside the checkpoints (a resumed run continues the
+    same log), else a new folder $RUNS_DIR/<prefix><recipe>-<layout>-<time>/ (RUNS_DIR defaults to runs)."""
+    if log_json:
+        return log_json
+    if checkpoint_dir:
+        return os.path.join(checkpoint_dir, "log.jsonl")
+    name = f"{prefix}{Path(recipe_name).stem}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 100):  # two runs started in the same second get folders of their own
+        folder = Path(os.environ.get("RUNS_DIR") or "runs", name if n == 1 else f"{name}-{n}")
+        try:
+            folder.mkdir(parents=True)
+            return str(folder / "log.jsonl")
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run folder for {name}")
+
+
 def open_run_log(path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int,
                  **launch) -> "JsonLog":
     """Rank 0's JSON-lines log (path None on the other ranks; appended to after a resume), opened with its
@@ -114,6 +133,8 @@ def open_run_log(path, progress: Progress, data, raw_model, recipe, lr: float, w
     the git commit and torch version."""
     from .model import COURSE_WIDTH, count_parameters
     log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
+    if path:
+        print(f"Run log: {path}", flush=True)
     log.write(run_header(
         world_size=world_size, **launch, per_device_batch_size=recipe.batch_size,
         global_batch_size=recipe.batch_size * world_size, lr=lr, steps_per_epoch=data.steps_per_epoch,

@@ -6,14 +6,17 @@ through the names their code uses, reach `subprocess` or `multiprocessing`. A te
 process all the same fails at once (no_process_in_the_fast_tier), so `pytest -m "not slow"` runs exactly the
 tests that start none.
 """
+import atexit
 import inspect
 import multiprocessing.process
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,10 @@ import pytest
 import torch  # noqa: F401  first import runs ldconfig (a process): here, not inside whichever test imports it first
 
 REPO = Path(__file__).resolve().parent.parent
+# Runs that are not given --log-json write a run folder under $RUNS_DIR: the tests' go to a folder of their own,
+# never into the checkout's runs/, where a student's report would pick them up.
+os.environ["RUNS_DIR"] = tempfile.mkdtemp(prefix="cifar-wrn-test-runs-")
+atexit.register(shutil.rmtree, os.environ["RUNS_DIR"], True)
 TESTS = REPO / "tests"
 LEAN_GC = TESTS / "lean_gc"
 

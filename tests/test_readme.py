@@ -1,0 +1,95 @@
+"""The README's commands as a student types them: the main job, the 1-GPU run, the challenge recipe and the
+report, each run literally from the README's bash blocks in a fresh folder (only tiny-data flags appended),
+and the report reading the logs those runs left."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from cifar_wrn.runlog import run_log_path
+from conftest import REPO, cpu_env, finish, start, write_cifar
+
+# Appended to the README's training commands: a small subset, one epoch, the tests' tiny model.
+TINY_RUN = ["--train-subset", "64", "--val-subset", "32", "--epochs", "1", "--model-width", "4",
+            "--set", "eval_batch_size=64"]
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's ```bash blocks, continuation lines joined."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
+    text = "\n".join(blocks).replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def the_command(pattern: str, exclude: str = "$^") -> str:
+    found = [c for c in readme_commands() if re.search(pattern, c) and not re.search(exclude, c)]
+    assert found, f"the README has no bash command matching {pattern!r}"
+    return found[0]
+
+
+def test_the_readme_names_each_command_of_the_students_path():
+    assert the_command(r"^pip install -e \.$")
+    assert "--recipe" not in the_command(r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe")
+    assert the_command(r"^python raw_ddp\.py .*--num-gpus 1\b")
+    assert the_command(r"^python raw_ddp\.py .*--recipe fast\b")
+    assert the_command(r"^python -m cifar_wrn\.report ")
+
+
+def test_where_a_run_log_goes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNS_DIR", str(tmp_path / "runs"))
+    assert run_log_path("mine.jsonl", "ckpt", "fast", "1x2") == "mine.jsonl"  # --log-json chooses
+    assert run_log_path(None, "ckpt", "fast", "1x2") == os.path.join("ckpt", "log.jsonl")  # a resume continues it
+    first = run_log_path(None, None, "recipes/fast.yaml", "1x2", prefix="accel-")
+    second = run_log_path(None, None, "recipes/fast.yaml", "1x2", prefix="accel-")
+    assert re.fullmatch(r"accel-fast-1x2-\d{8}-\d{6}(-2)?", os.path.basename(os.path.dirname(first)))
+    assert os.path.dirname(first) != os.path.dirname(second)  # the same second: a folder each
+    assert all(os.path.isdir(os.path.dirname(p)) and not os.listdir(os.path.dirname(p)) for p in (first, second))
+
+
+@pytest.fixture(scope="module")
+def student_folder(tmp_path_factory):
+    """A folder laid out like a fresh checkout (the entry points, the package, the recipes) with tiny data in
+    data/, and a PATH whose `python` is this interpreter, as on the student's machine."""
+    folder = tmp_path_factory.mktemp("student")
+    for name in ("raw_ddp.py", "accel_train.py", "cifar_wrn", "recipes", "accelerate_configs"):
+        (folder / name).symlink_to(REPO / name)
+    write_cifar(folder / "data")
+    bin_dir = tmp_path_factory.mktemp("bin")
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = cpu_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("RUNS_DIR")  # the default: runs/ in the folder the command runs in
+    return folder, env
+
+
+def shell(command: str, folder, env, timeout=240):
+    return finish(start(["bash", "-c", command], env=env, cwd=folder), timeout)
+
+
+def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folder):
+    folder, env = student_folder
+    logs = {}
+    for name, command in [("2 GPUs", the_command(r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe")),
+                          ("1 GPU", the_command(r"^python raw_ddp\.py .*--num-gpus 1\b", r"--recipe")),
+                          ("fast", the_command(r"^python raw_ddp\.py .*--recipe fast\b"))]:
+        result = shell(f"{command} {shlex.join(TINY_RUN)}", folder, env)
+        assert result.returncode == 0, f"{name}: {command}\n{result.stdout}\n{result.stderr}"
+        first = result.stdout.splitlines()[0]
+        assert first.startswith("Run log: runs/"), result.stdout  # said where, first
+        logs[name] = folder / first.removeprefix("Run log: ")
+        assert logs[name].is_file() and '"kind": "epoch"' in logs[name].read_text()
+    assert len({log.parent for log in logs.values()}) == 3  # a folder each
+    assert logs["2 GPUs"].parent.name.startswith("baseline-1x2-")
+    assert logs["1 GPU"].parent.name.startswith("baseline-1x1-")
+    assert logs["fast"].parent.name.startswith("fast-1x2-")
+
+    report = the_command(r"^python -m cifar_wrn\.report ", r"--pdf")
+    result = shell(f"{report} --no-figures", folder, env, timeout=120)
+    assert result.returncode == 0, f"{report}\n{result.stdout}\n{result.stderr}"
+    out = folder / shlex.split(report)[shlex.split(report).index("--out") + 1]
+    text = (out / "report.md").read_text()
+    for name in ("1 GPU", "2 GPUs"):  # both of the baseline runs the README's globs name, and not the fast one
+        assert str(logs[name].parent.relative_to(folder)) in text, text
+    assert str(logs["fast"].parent.relative_to(folder)) not in text
