@@ -87,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
 def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.device]:
     """A1.2 + A1.3 + A1.7: Accelerator() reads RANK/WORLD_SIZE/LOCAL_RANK from the launcher's environment,
     joins the process group (nccl, or gloo on the CPU) and picks this process's device, cuda:<local_rank>."""
+    import torch._dynamo as _  # noqa: F401  before the group forms: loaded later, it outlives it (raw_ddp.py)
     try:
         accelerator = Accelerator(
             cpu=args.cpu,

@@ -94,6 +94,9 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
         # The processes on this node share its cores: without this each would start one thread
         # per core and the oversubscribed machine runs several times slower.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))
+    # Loaded later (DDP's constructor, torchvision), torch._dynamo keeps the group alive past destroy_process_group,
+    # and its threads, torn down at exit, can abort the process (SIGABRT).
+    import torch._dynamo as _  # noqa: F401
     # R1.3: join the process group (nccl on GPUs, gloo on CPUs): every rank connects to node 0's address and port.
     init_method = "env://" if launched_by_torchrun() else f"tcp://{args.master_addr}:{args.master_port}"
     try:

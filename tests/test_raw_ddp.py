@@ -117,6 +117,25 @@ def test_port_in_use_is_refused():
 
 # ----------------------------------------------------------------------------- DDP semantics
 
+def test_destroy_process_group_ends_the_groups_threads():
+    """After destroy_process_group no gloo thread is left: a group that outlived it was torn down at exit, which
+    now and then aborted a rank (SIGABRT) after its last line. torch._dynamo, first imported after the group
+    formed (by DDP's constructor, or torchvision's on the download path), kept the group alive."""
+    code = """if True:
+        import os, sys
+        import torch, torch.distributed as dist, raw_ddp
+        args = raw_ddp.parse_args(["--device", "cpu", "--master-addr", "127.0.0.1", "--master-port", sys.argv[1]])
+        raw_ddp.join_process_group(0, args)
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        dist.destroy_process_group()
+        print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+    """
+    result = run([sys.executable, "-c", code, free_port()], timeout=120)
+    assert result.returncode == 0, result.stderr
+    threads = result.stdout.splitlines()[-1]
+    assert "gloo" not in threads and "pt_" not in threads, threads
+
+
 def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
     out = tmp_path / "result.json"
     result = run([sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port()], timeout=120,
