@@ -151,6 +151,7 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
 # conftest's resume_runs: raw_ddp.py's checkpoint after epoch 1 (--auto-resume into an empty folder) and the
 # same run over 2 epochs never stopped. Copied before a resume (or a refused one) could write into them.
 
+@pytest.mark.core
 def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
     """Stopped at the end of epoch 1, resumed for epoch 2: the weights and every epoch's metrics of the run
     never stopped (resume_runs.straight: the same flags, no checkpoint)."""
@@ -277,6 +278,7 @@ def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     assert result.returncode != 0 and "rank 1 was killed by SIGKILL" in result.stderr
 
 
+@pytest.mark.core
 def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
     # (rank 1 raises in its first forward pass; rank 0, were it left waiting, would wait --dist-timeout, 300 s:
     # the bound is start-up on a loaded machine, 42 s measured, plus the stop. The run is conftest's rank_1_raises,
