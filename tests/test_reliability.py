@@ -278,7 +278,6 @@ def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     assert result.returncode != 0 and "rank 1 was killed by SIGKILL" in result.stderr
 
 
-@pytest.mark.core
 def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
     # (rank 1 raises in its first forward pass; rank 0, were it left waiting, would wait --dist-timeout, 300 s:
     # the bound is start-up on a loaded machine, 42 s measured, plus the stop. The run is conftest's rank_1_raises,
