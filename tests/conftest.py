@@ -1,10 +1,15 @@
 """Shared test helpers: small synthetic CIFAR-10 in the official layout, and process runs that cannot hang.
 
-The fast tier: every test that starts a process (a training run, a shell, a Slurm job) is marked `slow`,
-automatically (pytest_collection_modifyitems): the test, the fixtures it uses and whatever they call, followed
-through the names their code uses, reach `subprocess` or `multiprocessing`. A test left unmarked that starts a
-process all the same fails at once (no_process_in_the_fast_tier), so `pytest -m "not slow"` runs exactly the
-tests that start none.
+The tiers (docs/development.md): every test that starts a process (a training run, a shell, a Slurm job) is
+marked `slow`, automatically (pytest_collection_modifyitems): the test, the fixtures it uses and whatever they
+call, followed through the names their code uses, reach `subprocess` or `multiprocessing`. A test left unmarked
+that starts a process all the same fails at once (no_process_in_the_fast_tier), so `pytest -m "not slow"` runs
+exactly the tests that start none.
+
+As in pytest's documented `--runslow` example, `python -m pytest` skips the slow tests except the few marked
+`core` in the test files (each trainer's 2-process run, DDP equivalence, one resume, one fault); `--runslow` runs
+them all. The tests that use the real Slurm cluster (the `cluster` fixture: daemons, as root) are marked `slurm`
+and run only with `--slurm`; asked for, a cluster that cannot start fails them instead of skipping them.
 """
 import atexit
 import inspect
@@ -76,6 +81,23 @@ def _starts_processes(obj, seen: set) -> bool:
     return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="run every test that starts a process, not only those marked core (the full suite)")
+    parser.addoption("--slurm", action="store_true", default=False,
+                     help="run the tests under a real Slurm: starts munged, slurmctld and two slurmd daemons (root, "
+                          "Debian's slurm and munge packages installed); they fail if it cannot start")
+
+
+def skip_unasked(config, item):
+    """pytest's --runslow convention: a slow test runs when asked for (or when it is one of the core runs)."""
+    if item.get_closest_marker("slurm"):
+        if not config.getoption("--slurm"):
+            item.add_marker(pytest.mark.skip(reason="starts a real Slurm (daemons, as root): pass --slurm"))
+    elif item.get_closest_marker("slow") and not item.get_closest_marker("core") and not config.getoption("--runslow"):
+        item.add_marker(pytest.mark.skip(reason="slow (starts processes): pass --runslow for the full suite"))
+
+
 # Fixtures whose processes every worker may start for itself: the test Slurm cluster (its daemons mostly
 # wait; grouping every Slurm test onto one worker would run them one after another).
 PER_WORKER = {"cluster"}
@@ -89,6 +111,9 @@ def pytest_collection_modifyitems(config, items):
         if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *(d.func for _, d in fixtures)]
                if f):
             item.add_marker(pytest.mark.slow)
+        if "cluster" in item.fixturenames:  # tests/test_slurm.py's session cluster: real daemons
+            item.add_marker(pytest.mark.slurm)
+        skip_unasked(config, item)
     # A module- or session-wide fixture that starts a run is built once per pytest-xdist worker: the tests that
     # share one go to the same worker (--dist loadgroup), so that it is built once, not once per worker. A test
     # that uses two such fixtures joins their groups into one (else it would form a third group of its own).

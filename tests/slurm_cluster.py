@@ -1,6 +1,6 @@
 """A real Slurm on this machine, for the tests of the job scripts in slurm/ (see docs/slurm.md, "Testing").
 
-Debian's own packages (slurmctld, slurmd, slurm-client, munge; installed with apt-get when missing):
+Debian's own packages (slurmctld, slurmd, slurm-client, munge; .ci/run installs them, the tests never do):
 one munged with its own key and socket, one slurmctld and two slurmd daemons, `node1` and `node2`,
 all on 127.0.0.1 with ports of their own, under a private configuration (SLURM_CONF) and state in
 a temporary folder. Nothing here reads or writes /etc/slurm, /etc/munge or a Slurm already running
@@ -76,31 +76,16 @@ def missing_commands() -> list[str]:
     return [c for c in COMMANDS if which(c) is None]
 
 
-def ensure_installed(log=print) -> None:
-    """Install Debian's Slurm and MUNGE packages when a command is missing (root and apt-get only)."""
-    missing = missing_commands()
-    if not missing:
-        return
-    packages = sorted({COMMANDS[c] for c in missing})
+def check_installed() -> None:
+    """The tests install nothing: say which commands are missing and from which Debian packages (.ci/run
+    installs them)."""
     if sys.platform != "linux":
         raise Unavailable(f"a real Slurm needs Linux (this is {sys.platform})")
-    if os.geteuid() != 0:
-        raise Unavailable(f"{', '.join(missing)} not installed, and installing {' '.join(packages)} needs root")
-    apt = which("apt-get")
-    if apt is None:
-        raise Unavailable(f"{', '.join(missing)} not installed, and no apt-get to install Debian's "
-                          f"{' '.join(packages)} (not Debian or Ubuntu?)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = [apt, "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
-    log(f"installing {' '.join(PACKAGES)} (apt-get)")
-    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:  # a fresh machine may have no package lists yet
-        subprocess.run([apt, "update", "-qq"], env=env, capture_output=True, text=True, timeout=600)
-        result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    still = missing_commands()
-    if result.returncode != 0 or still:
-        raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed (exit status {result.returncode}; "
-                          f"missing: {', '.join(still)}): {result.stderr.strip()[-1000:]}")
+    missing = missing_commands()
+    if missing:
+        packages = sorted({COMMANDS[c] for c in missing})
+        raise Unavailable(f"{', '.join(missing)} not installed: install Debian's {' '.join(packages)} packages "
+                          f"(as .ci/run does)")
 
 
 def free_ports(count: int) -> list[int]:
@@ -380,7 +365,7 @@ InactiveLimit=0
                               f"--bind and hostname): {probe.stderr.strip()[-500:]}")
 
     def start(self, timeout: float = 60) -> "SlurmCluster":
-        ensure_installed(self.log)
+        check_installed()
         if os.geteuid() != 0:
             raise Unavailable("slurmd must run as root (it starts jobs as their users, and the test cluster "
                               "gives each node its own host name): run the tests as root, as CI does")

@@ -175,6 +175,7 @@ def accel_run(parity_dir, tmp_path_factory):
     return result, *read_log(out / "log.jsonl"), out / "w.pt"
 
 
+@pytest.mark.core
 def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
     result, header, epochs, weights = accel_run
     assert header["world_size"] == 2 and header["backend"] == "gloo" and header["device"] == "cpu"

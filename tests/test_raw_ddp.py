@@ -136,6 +136,7 @@ def test_destroy_process_group_ends_the_groups_threads():
     assert "gloo" not in threads and "pt_" not in threads, threads
 
 
+@pytest.mark.core
 def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
     out = tmp_path / "result.json"
     result = run([sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port()], timeout=120,
@@ -149,6 +150,7 @@ def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
+@pytest.mark.core
 def test_end_to_end_two_processes(two_process_run):
     result, out = two_process_run
     assert result.returncode == 0, result.stderr
@@ -164,6 +166,7 @@ def test_end_to_end_two_processes(two_process_run):
     assert epochs[-1]["val_accuracy"] > 0.2  # synthetic classes are easy: well above chance (0.1)
 
 
+@pytest.mark.core
 def test_images_per_sec_is_summed_over_ranks(two_process_run):
     _, out = two_process_run
     header, epochs = read_log(out / "log.jsonl")
@@ -174,6 +177,7 @@ def test_images_per_sec_is_summed_over_ranks(two_process_run):
         assert 0.7 * global_rate < e["images_per_sec"] < 1.3 * global_rate
 
 
+@pytest.mark.core
 def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     """Reported metrics at world size 2 (101 images: one padding repeat) equal one process evaluating
     the saved weights on all validation images."""
@@ -189,6 +193,7 @@ def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-5)
 
 
+@pytest.mark.core
 def test_early_stopping_ends_every_rank_at_the_same_epoch(two_process_run):
     result, _ = two_process_run  # --epochs 6 --target-accuracy 0 --patience 2
     assert result.returncode == 0, result.stderr
@@ -237,6 +242,7 @@ def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.core
 def test_worker_that_raises_is_named_with_traceback(rank_1_raises):
     """Rank 1 raises: the run ends soon after, not when rank 0 gives up waiting for it (--dist-timeout 300; the
     bound leaves room for the start-up of 2 processes on a loaded machine, 70 s measured). The run is conftest's

@@ -151,6 +151,7 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
 # conftest's resume_runs: raw_ddp.py's checkpoint after epoch 1 (--auto-resume into an empty folder) and the
 # same run over 2 epochs never stopped. Copied before a resume (or a refused one) could write into them.
 
+@pytest.mark.core
 def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
     """Stopped at the end of epoch 1, resumed for epoch 2: the weights and every epoch's metrics of the run
     never stopped (resume_runs.straight: the same flags, no checkpoint)."""
