@@ -683,8 +683,9 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     args = shlex.split(command.replace("\\\n", " "))
     assert args[args.index("--out") + 1] == "docs/report-example"
     args[args.index("--out") + 1] = str(tmp_path)
-    if "--pdf" in args:  # the PDF is not compared: leave it out
-        del args[args.index("--pdf"):args.index("--pdf") + 2]
+    for flag in ("--pdf", "--caption"):  # the PDF is not compared: leave it out
+        if flag in args:
+            del args[args.index(flag):args.index(flag) + 2]
     result = subprocess.run([sys.executable, *args[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "report.md").read_text() == EXAMPLE.joinpath("report.md").read_text(), \
@@ -725,3 +726,11 @@ def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
     assert lines[-1] == "Early stopping after epoch 3 (1 safety-net epoch(s) after the 2-epoch budget)"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     assert len(report.printed_lines(report.read_run(path))) == 2
+
+
+def test_the_example_notes_file_is_accepted_and_fills_its_slots(logs, tmp_path):
+    notes = report.read_notes(EXAMPLE / "notes.yaml", [report.read_run(logs["two"])])
+    assert set(notes) == {"steps", "explain"} and set(notes["explain"]) == set(report.EXPLAIN)
+    text = report.write_report([report.read_run(logs["two"])], tmp_path / "out", figures=False,
+                               notes=notes)[0].read_text()
+    assert f"[you write: {report.EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text
