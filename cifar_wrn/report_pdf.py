@@ -3,10 +3,10 @@
 In R3's order: the DDP steps (where each `# R1.<n>` tag sits in raw_ddp.py, and why), the two-process
 run's epoch log exactly as rank 0 printed it, the Cumulative Time at which the criterion was met, the 1 vs N
 process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-against-time figure and the
-topology diagram, and the recipe's differences from the course baseline as the optimisations table.
-What only the student can write (why each optimisation helps, its before/after) is left as marked room,
-never filled in. Everything else comes from the logs and the code: cifar_wrn/report.py computes it
-(its pdf_content) and passes it in, so this module only lays it out and imports nothing of report.py.
+topology diagram, then the course's Demonstrate items 1-6 (the blocks report.md shows too). What only the
+student can write (every explanation) is a marked slot, or the student's own text from --notes. Everything
+else comes from the logs and the code: cifar_wrn/report.py computes it (its pdf_content) and passes it
+in, so this module only lays it out and imports nothing of report.py.
 
 fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
@@ -18,7 +18,7 @@ from .errors import UserError
 
 MAX_PAGES = 4                         # the course's limit
 INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"
-YOU_WRITE = "[you write]"
+YOU_WRITE = "[you write"  # how every slot starts: "[you write: ...]"
 GREY, RED, DARK = (110, 110, 110), (170, 40, 40), (30, 30, 30)
 # The PDF's core fonts (no font files to embed: a small PDF) cover Latin-1; the few other characters the
 # report uses are spelled out.
@@ -85,7 +85,7 @@ def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -
 
 
 def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: float | None = None) -> None:
-    """A table with `head` as headings; a cell that is YOU_WRITE is the student's, marked as such."""
+    """A table with `head` as headings; a cell that is a slot ([you write: ...]) is the student's, marked."""
     from fpdf.fonts import FontFace
     size = size or lay.table
     pdf.set_font("Helvetica", "", size)
@@ -99,7 +99,7 @@ def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: 
         for cells in rows:
             row = table.row()
             for cell in cells:
-                row.cell(latin1(cell), style=mine if cell == YOU_WRITE else None)
+                row.cell(latin1(cell), style=mine if str(cell).startswith(YOU_WRITE) else None)
     pdf.ln(1.5)
 
 
@@ -154,44 +154,36 @@ def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, ski
     pdf.set_y(y + height + 2)
 
 
-def read_notes(path, keys: list[str]) -> dict[str, tuple[str, str]]:
-    """The student's own words for the optimisations table, from a YAML file of
-        batch_size:
-          why: ...
-          before_after: ...
-    (only keys of the table; either entry may be left out and stays YOU_WRITE)."""
-    import yaml
-    if path is None:
-        return {}
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"--notes {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    except yaml.YAMLError as exc:  # its message spans lines: keep where and what
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"--notes {path}: cannot be read as YAML{where} ({getattr(exc, 'problem', None) or 'not YAML'})"
-                        ) from None
-    if not isinstance(raw, dict):
-        raise UserError(f"--notes {path}: expected recipe keys, each with why: and before_after:")
-    notes = {}
-    for key, entry in raw.items():
-        if key not in keys:
-            raise UserError(f"--notes {path}: {key!r} is not a key of the optimisations table "
-                            f"({', '.join(keys) or 'which is empty'})")
-        if not isinstance(entry, dict) or not set(entry) <= {"why", "before_after"} \
-                or not all(isinstance(v, str) and v.strip() for v in entry.values()):
-            raise UserError(f"--notes {path}: {key}: expected why: TEXT and/or before_after: TEXT")
-        notes[key] = (entry.get("why", YOU_WRITE).strip(), entry.get("before_after", YOU_WRITE).strip())
-    return notes
+def _code(pdf, lines: list[str]) -> None:
+    """Quoted source lines in a monospace font sized so the longest fits on one line."""
+    size = min(7.0, pdf.epw / (0.6 * max(map(len, lines))) * 72 / 25.4)  # Courier: every character is 0.6 em
+    pdf.set_font("Courier", "", size)
+    pdf.set_text_color(*DARK)
+    pdf.set_fill_color(244, 244, 244)
+    for line in lines:
+        pdf.cell(0, size * 0.45, latin1(line), new_x="LMARGIN", new_y="NEXT", fill=True)
+    pdf.ln(1)
+
+
+def _blocks(pdf, lay: Layout, blocks: list[tuple]) -> None:
+    """The Demonstrate sections that report.md shows too: headings, text, tables, quoted code."""
+    for block in blocks:
+        if block[0] == "h":
+            _heading(pdf, block[1])
+        elif block[0] == "p":
+            _text(pdf, lay, _plain(block[1]), size=lay.table + 0.5)
+        elif block[0] == "table":
+            _table(pdf, lay, block[1], [[_plain(str(c)) for c in row] for row in block[2]],
+                   tuple(pdf.epw / len(block[1]) for _ in block[1]), size=lay.table - 0.5)
+        else:
+            _code(pdf, block[1])
 
 
 def _plain(markdown: str) -> str:
     return markdown.replace("**", "").replace("`", "")
 
 
-def build(content, figures: dict, skipped: str | None, compact: bool, sources: str,
-          notes: dict, caption: str | None = None):
+def build(content, figures: dict, skipped: str | None, compact: bool, sources: str, caption: str | None = None):
     """The whole document (an FPDF object, not yet written), from the texts and tables of pdf_content."""
     FPDF = load_fpdf()
     lay = Layout(compact)
@@ -208,7 +200,8 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
           + f". The run shown in sections 2 and 4: {run.label}.", color=GREY)
     if caption:
         _text(pdf, lay, caption, "B")
-    _text(pdf, lay, f"Text marked {YOU_WRITE} (in red) is yours to write: this report never invents it.", "I", RED)
+    _text(pdf, lay, "Text marked [you write: ...] is yours to write (or give it with --notes notes.yaml): this "
+                    "report states facts from the logs and the code, never the explanations.", "I", RED)
 
     _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
     _text(pdf, lay, f"Line numbers of the raw_ddp.py this report ships with (commit "
@@ -233,7 +226,7 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
     _text(pdf, lay, content.criterion, "B", size=lay.body + 0.5)
 
     _heading(pdf, "3. One process against N: speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law")
-    widths = (23, 14, 13, 19, 15, 14) + ((17, 16, 15, 12, 12, 12) if content.scaling_basis else ())
+    widths = (21, 13, 12, 17, 14, 13) + ((18, 15, 14, 14, 11, 10, 10) if content.scaling_basis else ())
     _table(pdf, lay, content.scaling_head, content.scaling_rows, widths, size=lay.table - 0.7)
     for line in content.scaling_notes:
         if line.startswith("- "):
@@ -241,32 +234,18 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
     pdf.ln(1.5)
     _figures(pdf, lay, figures.get("accuracy"), figures.get("topology"), skipped)
 
-    _heading(pdf, "4. Optimisations: the recipe against the course baseline")
-    _text(pdf, lay, f"The recipe keys where {run.label}'s recipe (its log header) differs from recipes/baseline.yaml, "
-                    f"the course's defaults. Why each is there, and its effect measured before/after (time to the "
-                    f"criterion, accuracy, images/sec without and with it), are {YOU_WRITE}: in a YAML file given "
-                    f"with --notes (key: why: ..., before_after: ...); docs/optimizations.md and "
-                    f"docs/benchmarks.md hold this project's measurements to cite.")
-    pdf.ln(1)
-    changes = content.changes
-    if changes:
-        _table(pdf, lay, ["recipe key", "baseline", "used", f"why {YOU_WRITE}", f"before -> after {YOU_WRITE}"],
-               [[key, base, used, *notes.get(key, (YOU_WRITE, YOU_WRITE))] for key, base, used in changes],
-               (32, 22, 22, 53, 53))
-    else:
-        _text(pdf, lay, "None: the run used the baseline recipe.", "I")
+    _blocks(pdf, lay, content.demonstrate)
     return pdf
 
 
-def write_pdf(content, path, figures: dict, skipped: str | None, notes: dict | None = None,
-              caption: str | None = None) -> int:
+def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | None = None) -> int:
     """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
     the normal need more than MAX_PAGES (many runs, many recipe changes)."""
     path = Path(path)
     sources = " ".join(str(r.path) for r in content.runs)
     for compact in (False, True):
         pdf = build(content, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
-                    notes or {}, caption)
+                    caption)
         if pdf.page_no() <= MAX_PAGES:
             break
     try:

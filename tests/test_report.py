@@ -116,7 +116,7 @@ def test_scaling_falls_back_to_throughput_when_a_run_misses_the_target(logs, tmp
     assert "Speedup basis: mean Images/sec" in text and "not reached" in text
     assert "| speedup (images/sec) |" in text
     scaling_rows = [line for line in text.splitlines() if line.startswith("| four |")]
-    assert scaling_rows and "| 4 | 2 x 2 | not reached | 1600.0 | 0.8400 | 3.200 | 0.800 | 0.0833 |" \
+    assert scaling_rows and "| 4 | 2 x 2 | not reached | 1600.0 | 0.8400 | one | 3.200 | 0.800 | 0.0833 |" \
         in scaling_rows[0]
 
 
@@ -127,8 +127,9 @@ def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
     text = path.read_text()
     assert figures == [] and skipped
     assert "Speedup basis: Cumulative Time to target" in text and "| speedup (time to target) |" in text
-    assert "| two | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | 1.250 | 0.625 | 0.6000 | 1.250 | 1.429 | 1.538 |" in text
-    assert "| one | 1 | 1 x 1 | 300.000 | 500.0 | 0.9000 | 1.000 | 1.000 | – |" in text
+    assert "| two | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | one | 1.250 | 0.625 | 0.6000 | 1.250 | 1.429 | 1.538 |" \
+        in text
+    assert "| one | 1 | 1 x 1 | 300.000 | 500.0 | 0.9000 | one | 1.000 | 1.000 | – |" in text
     # each run's epoch log, with the stopping epoch marked, and the header facts
     assert "| 4 | 240.000 | 60.000 | 950.0 | 1.1200 | 0.8800 | 2/2, stop |" in text
     assert "| 3 | 300.000 | 100.000 | 490.0 | 1.1300 | 0.8700 | 2/2, stop |" in text
@@ -157,11 +158,50 @@ def test_no_one_process_run_means_no_speedup_columns(logs, tmp_path):
     assert "Karp-Flatt e" not in text
 
 
-def test_runs_that_differ_are_flagged(logs, tmp_path):
+def test_runs_that_differ_are_not_compared_and_say_why(logs, tmp_path):
     other = write_log(tmp_path / "other.jsonl", 1, 2, TWO, target=0.9)
-    path, _, _ = report.write_report([report.read_run(logs["one"]), report.read_run(other)], tmp_path / "out",
-                                     figures=False)
-    assert "Warning: the runs differ in recipe (target_accuracy)" in path.read_text()
+    runs = [report.read_run(logs["one"]), report.read_run(other)]
+    sc, rows = rows_by_p(runs)
+    assert sc.basis is None and "speedup" not in rows[2] and "karp_flatt" not in rows[2]
+    path, _, _ = report.write_report(runs, tmp_path / "out", figures=False)
+    text = path.read_text()
+    assert "**`other` is not compared with a 1-process run**: against `one` it differs in recipe (target_accuracy)" \
+           ", so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in text
+    assert "Karp-Flatt e |" not in text
+
+
+def test_the_gpu_and_cpu_logs_of_this_project_get_no_speedup(tmp_path):
+    """h200-fast (1 H200 GPU, an older fast.yaml) and fast8 (2 CPU processes): no pair, and the report says why."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl",
+                             "--out", out, "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = (out / "report.md").read_text()
+    scaling = text.split("## Scaling")[1].split("## Demonstrate 1")[0]
+    assert "| fast8 | 2 | 1 x 2 | 7560.028 | 26.4 | 0.8656 |" in scaling and "speedup" not in scaling.split("\n\n")[1]
+    assert "differs in recipe (base_lr, batch_size, bn_lr_scale, bn_recalibration, label_smoothing); device (cuda vs " \
+           "cpu), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in scaling
+    assert "Karp-Flatt e" not in text and "Amdahl S(" not in text
+
+
+def test_a_comparable_pair_among_others_is_compared_and_a_slowdown_is_flagged(logs, tmp_path):
+    """A GPU run of the same recipe is left alone; the two CPU runs are compared, and the 2-process one is
+    slower: S = 400 / 500 = 0.8 < 1, E = 0.4, e = (1/0.8 - 1/2) / (1/2) = 1.5 (outside [0, 1]: no Amdahl)."""
+    cpu = dict(backend="gloo", device="cpu")
+    one = write_log(tmp_path / "cpu1.jsonl", 1, 1, [(10.0, 500.0, 0.5)], **cpu)
+    two = write_log(tmp_path / "cpu2.jsonl", 1, 2, [(10.0, 400.0, 0.5)], **cpu)
+    runs = [report.read_run(logs["one"]), report.read_run(one), report.read_run(two)]
+    sc, _ = rows_by_p(runs)
+    row = {r["run"].label: r for r in sc.rows}
+    assert row["cpu2"]["reference"].label == "cpu1" and sc.basis == "throughput"
+    assert abs(row["cpu2"]["speedup"] - 0.8) < EXACT and abs(row["cpu2"]["efficiency"] - 0.4) < EXACT
+    assert abs(row["cpu2"]["karp_flatt"] - 1.5) < EXACT and "amdahl" not in row["cpu2"]
+    assert "speedup" not in row["one"]  # the GPU run is no one's reference
+    text = report.write_report(runs, tmp_path / "out", figures=False)[0].read_text()
+    assert "| cpu2 | 2 | 1 x 2 | not reached | 400.0 | 0.5000 | cpu1 | 0.800 | 0.400 | 1.5000 | – | – | – |" in text
+    assert "| one | 1 | 1 x 1 | 300.000 | 500.0 | 0.9000 | none comparable | – |" in text
+    assert "**Flag: `cpu2` is slower than `cpu1`** (speedup 0.800 < 1)" in text
+    assert "**Flag: `cpu2`'s serial fraction e = 1.5000 is outside [0, 1]**" in text
 
 
 def test_profile_table(tmp_path):
@@ -232,7 +272,7 @@ def bad_inputs(tmp_path):
                    "device": "cpu", "recipe": {"target_accuracy": 0.85, "patience": 2}}
     files = {
         "missing": (tmp_path / "nope.jsonl", "no such file"),
-        "folder": (tmp_path, "is a folder"),
+        "folder": (tmp_path, "a folder without log.jsonl: give a run log or a run folder that holds one"),
         "binary": (tmp_path / "weights.pt", "not a text file"),
         "not json": (tmp_path / "notes.txt", "line 1: not JSON"),
         "no header": (tmp_path / "noheader.jsonl", "no header record"),
@@ -453,13 +493,11 @@ def test_ddp_steps_are_read_from_the_tags(tmp_path):
     source.write_text("import x\ndef f():  # R1.1\n    y = 1  # R1.10: one\n    # R1.2, R1.3 and R1.1 here\n"
                       '    s = "# R1.<n>"\n')
     steps = report.ddp_steps(source)
-    assert [(step, lines) for step, lines, _ in steps] == [("R1.1", [2, 4]), ("R1.2", [4]), ("R1.3", [4]),
-                                                           ("R1.10", [3])]
+    assert steps == [("R1.1", [2, 4]), ("R1.2", [4]), ("R1.3", [4]), ("R1.10", [3])]
     assert report.where_text("raw_ddp.py", [2, 4]) == "raw_ddp.py:2,4"
+    assert report.code_lines("R1.1", source=source) == ["2: def f():  # R1.1"]  # the comment-only line 4 left out
     shipped = report.ddp_steps()
-    assert {step: lines for step, lines, _ in shipped} == r1_tags(REPO / "raw_ddp.py")
-    assert [step for step, _, why in shipped if why not in report.STEP_WHY.values()] == []  # a why for every tag
-    assert len(shipped) == 11
+    assert dict(shipped) == r1_tags(REPO / "raw_ddp.py") and len(shipped) == 11
 
 
 def pdf_text(path) -> tuple[int, str, int]:
@@ -477,7 +515,8 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
     pytest.importorskip("fpdf")        # the `pdf` extra; CI installs it with the test extra
     pytest.importorskip("matplotlib")
     notes = tmp_path / "notes.yaml"
-    notes.write_text("bn_recalibration:\n  why: my own words on recalibration\n")
+    notes.write_text("optimisations:\n  bn_recalibration: my own words on recalibration\n"
+                     "steps:\n  R1.7: my pinning words\n")
     pdf = tmp_path / "report.pdf"
     result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl",
                              "--out", tmp_path / "out", "--pdf", pdf, "--notes", notes], cwd=REPO,
@@ -499,21 +538,29 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
     assert "resumed at epoch 3 step 60 (log line 4)" in text
     flat = " ".join(text.split())
     assert "Cumulative Time at the criterion: 7560.028 s, after epoch 4" in flat
-    # 3: the scaling table (by images/sec: the 1-process run did not meet the criterion) and its warning
-    assert "h200-fast 1 1 x 1 not reached 10956.8 0.8629 1.000 1.000" in flat
-    assert "fast8 2 1 x 2 7560.028 26.4 0.8656 0.002 0.001 828.4354" in flat
-    assert "Karp-Flatt" in flat and "Amdahl" in flat and "Warning: the runs differ in recipe" in flat
-    # 1: each step's file:line as tagged in the shipped raw_ddp.py
+    # 3: a GPU run and a CPU run of other recipes: no speedup, and why
+    assert "h200-fast 1 1 x 1 not reached 10956.8 0.8629" in flat and "fast8 2 1 x 2 7560.028 26.4 0.8656" in flat
+    assert "fast8 is not compared with a 1-process run: against h200-fast it differs in recipe" in flat
+    assert "Karp-Flatt e" not in flat
+    # 1: each step's file:line as tagged in the shipped raw_ddp.py, the why the student's
     tags = r1_tags(REPO / "raw_ddp.py")
     for step, numbers in tags.items():
-        assert f"{step} raw_ddp.py:{','.join(map(str, numbers))} " in flat, step
-    # 4: the optimisations: key, baseline, used; the student's text marked, or theirs from --notes
-    assert "bn_recalibration 0 5000 my own words on recalibration [you write]" in flat
+        why = "my pinning words" if step == "R1.7" else f"[you write: why {step} is needed]"
+        assert f"{step} raw_ddp.py:{','.join(map(str, numbers))} {why}" in flat, step
+    # Demonstrate 1-6, each with its slot; the R1.9 lines quoted as they stand
+    source = (REPO / "raw_ddp.py").read_text().splitlines()
+    for n in tags["R1.9"]:
+        if not source[n - 1].lstrip().startswith("#"):
+            assert f"{n}: {source[n - 1].strip()}" in text, n
+    for item, what in report.EXPLAIN.items():
+        assert f"[you write: {what}]" in flat, item
+    # 6: the optimisations: key, baseline, used; the why a slot, or the student's from --notes
+    assert "bn_recalibration 0 5000 my own words on recalibration" in flat
     changed = report.optimisations(report.read_run(RUNS / "fast8.jsonl"))
     assert len(changed) == 21 and ("lr_schedule", "constant", "warmup_linear") in changed
     for key, baseline, used in changed:
         if key != "bn_recalibration":
-            assert f"{key} {baseline} {used} [you write] [you write]" in flat, key
+            assert f"{key} {baseline} {used} [you write: why]" in flat, key
 
 
 def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
@@ -527,39 +574,122 @@ def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ("bogus:\n  why: x\n", "'bogus' is not a key of the optimisations table (epochs, batch_size)"),
-    ("batch_size:\n  because: x\n", "batch_size: expected why: TEXT and/or before_after: TEXT"),
-    ("batch_size:\n  why: ''\n", "batch_size: expected why: TEXT and/or before_after: TEXT"),
-    ("- a list\n", "expected recipe keys, each with why: and before_after:"),
+    ("bogus:\n  x: y\n", "expected steps: {R1.<n>: why}, explain: {topology, "),
+    ("optimisations:\n  bogus: x\n", "optimisations: 'bogus' is not one of epochs, batch_size, base_lr, "),
+    ("steps:\n  R1.99: x\n", "steps: 'R1.99' is not one of R1.1, R1.2, "),
+    ("explain:\n  topology: ''\n", "explain: topology: expected your text"),
+    ("explain:\n  - a list\n", "explain: expected KEY: TEXT entries"),
     ("a: [\n", "cannot be read as YAML at line 2 ("),  # PyYAML's own words follow
 ])
 def test_bad_notes_are_refused(tmp_path, content, message):
-    from cifar_wrn.report_pdf import read_notes
     notes = tmp_path / "notes.yaml"
     notes.write_text(content)
+    runs = [report.read_run(RUNS / "fast8.jsonl")]
     with pytest.raises(report.UserError) as refused:
-        read_notes(notes, ["epochs", "batch_size"])
+        report.read_notes(notes, runs)
     assert str(refused.value).startswith(f"--notes {notes}: ") and message in str(refused.value)
     assert "\n" not in str(refused.value)
-    assert read_notes(None, ["epochs"]) == {}
+    assert report.read_notes(None, runs) == {}
 
 
 def test_bad_notes_are_refused_before_any_output(tmp_path):
-    pytest.importorskip("fpdf")
     notes = tmp_path / "notes.yaml"
     notes.write_text("bogus:\n  why: x\n")
     result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path / "out",
-                             "--pdf", tmp_path / "r.pdf", "--notes", notes], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: 'bogus' is not a key")
+                             "--notes", notes], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: expected steps:")
     assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-def test_notes_and_caption_need_pdf(logs, tmp_path, capsys):
-    for flag in ("--notes", "--caption"):
-        assert report.main([str(logs["one"]), "--out", str(tmp_path / "out"), flag, "x"]) == 2
-        assert capsys.readouterr().err == f"error: {flag} is for the PDF: give --pdf FILE too\n"
+def test_notes_fill_the_slots_they_name_and_leave_the_others_marked(logs, tmp_path):
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("steps:\n  R1.6: my set_epoch words\nexplain:\n  aggregation: |\n    my words\n    on SUM\n")
+    runs = [report.read_run(logs["one"]), report.read_run(logs["two"])]
+    assert report.main([str(logs["one"]), str(logs["two"]), "--out", str(tmp_path / "out"), "--no-figures",
+                        "--notes", str(notes)]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"| R1.6 | raw_ddp.py:{','.join(map(str, r1_tags(REPO / 'raw_ddp.py')['R1.6']))} | my set_epoch words |" in text
+    assert "**Explanation:** my words on SUM" in text and "[you write: why R1.6 is needed]" not in text
+    assert "[you write: why R1.7 is needed]" in text and f"[you write: {report.EXPLAIN['scaling']}]" in text
+    assert report.read_notes(notes, runs)["explain"] == {"aggregation": "my words on SUM"}
+
+
+def test_caption_needs_pdf(logs, tmp_path, capsys):
+    assert report.main([str(logs["one"]), "--out", str(tmp_path / "out"), "--caption", "x"]) == 2
+    assert capsys.readouterr().err == "error: --caption is for the PDF: give --pdf FILE too\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_run_folders_are_read_as_their_log(logs, tmp_path):
+    folder = tmp_path / "runs" / "baseline-1x2-20261202-130000"
+    folder.mkdir(parents=True)
+    (folder / "log.jsonl").write_text(logs["two"].read_text())
+    out = tmp_path / "out"
+    assert report.main([str(logs["one"]), str(folder), "--out", str(out), "--no-figures"]) == 0
+    text = (out / "report.md").read_text()
+    assert "| baseline-1x2-20261202-130000 | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | one | 1.250 |" in text
+    assert f"Log: `{folder / 'log.jsonl'}`" in text
+    empty = tmp_path / "runs" / "empty"
+    empty.mkdir()
+    with pytest.raises(report.LogError, match="a folder without log.jsonl"):
+        report.read_run(empty)
+
+
+def test_compare_fills_before_and_after_from_the_students_logs(logs, tmp_path):
+    """Before: ONE's epochs with batch 32; after: batch 64 and 1.5 times the throughput, the target met sooner."""
+    after = write_log(tmp_path / "after.jsonl", 1, 1, [(60.0, 750.0, 0.86), (60.0, 760.0, 0.87)])
+    after.write_text(after.read_text().replace('"batch_size": 32', '"batch_size": 64'))
+    other = write_log(tmp_path / "cpu.jsonl", 1, 2, TWO, device="cpu")
+    out = tmp_path / "out"
+    assert report.main([str(logs["two"]), "--out", str(out), "--no-figures", "--compare", str(logs["one"]), str(after),
+                        "--compare", str(logs["one"]), str(other)]) == 0
+    text = (out / "report.md").read_text()
+    assert f"**Before/after** (`--compare {logs['one']} {after}`):" in text
+    assert "| before: one | batch_size: 32 -> 64 | 300.000 | 500.0 | 0.9000 | 4 |" in text
+    assert "| after: after |  | 120.000 | 755.0 | 0.8700 | 2 |" in text
+    assert "not like for like: they also differ in device (cuda vs cpu); world size (1 vs 2)" in text
+    assert "[you measure:" not in text
+    bare = report.write_report([report.read_run(logs["two"])], tmp_path / "bare", figures=False)[0].read_text()
+    assert "**Before/after:** [you measure: pass the logs of a run without and with the change" in bare
+
+
+def test_demonstrate_facts_from_the_header(tmp_path):
+    """1001 images on 2 ranks: ceil = 501 each, 1 padded (rank 1 holds the repeat); batch 32: 15 steps, 21 left
+    over; 17,117,754 fp32 parameters = 68,471,016 bytes = 65.3 MiB per step, buckets 1 + ceil(64.3 / 25) = 4,
+    a ring sends 2 x 1/2 of them per rank; with --profile the measured all-reduce, 2 s of a 10 s epoch."""
+    assert report.shards(1001, 2, 32) == {"shard": 501, "padding": 1, "padded_ranks": [1], "steps": 15, "dropped": 21}
+    assert report.shards(10, 4, None)["padded_ranks"] == [2, 3]  # 3 each = 12: two repeats
+    path = write_log(tmp_path / "two.jsonl", 1, 2, [(10.0, 400.0, 0.5)], train_images=1001, val_images=10,
+                     per_device_batch_size=32, model_parameters=17117754, steps_per_epoch=15)
+    path.write_text(path.read_text().replace('"val_accuracy": 0.5}', '"val_accuracy": 0.5, "comm_estimate": 2.0}'))
+    run = report.read_run(path)
+    assert report.gradient_bytes(run) == (68471016, 4)
+    text = report.write_report([run], tmp_path / "out", figures=False)[0].read_text()
+    assert "| two | train | 1001 | 2 | 501 | 1 | 1 | 15 x 32 (21 dropped) |" in text
+    assert "| two | validation | 10 | 2 | 5 | 0 | none | – |" in text
+    assert "| two | 17117754 | fp32 | 65.3 MiB | ~4 | 65.3 MiB | 2.000 s/epoch (20.0% of the epoch) |" in text
+    assert "| two | 1 | 400.0 | 200.0 | 1.5000 | 0.5000 |" in text  # SUM, SUM / N, AVG, AVG
+
+
+EXAMPLE = REPO / "docs" / "report-example"
+
+
+def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
+    """docs/report-example/README.md's command, run into a fresh folder, writes the committed report.md."""
+    pytest.importorskip("matplotlib")  # the committed report.md names its figures
+    import shlex
+    readme = EXAMPLE.joinpath("README.md").read_text()
+    command = re.search(r"```bash\n(python -m cifar_wrn\.report .*?)\n```", readme, re.S).group(1)
+    args = shlex.split(command.replace("\\\n", " "))
+    assert args[args.index("--out") + 1] == "docs/report-example"
+    args[args.index("--out") + 1] = str(tmp_path)
+    for flag in ("--pdf", "--caption"):  # the PDF is not compared: leave it out
+        if flag in args:
+            del args[args.index(flag):args.index(flag) + 2]
+    result = subprocess.run([sys.executable, *args[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "report.md").read_text() == EXAMPLE.joinpath("report.md").read_text(), \
+        "docs/report-example/report.md is stale: run the command in docs/report-example/README.md"
 
 
 @pytest.mark.slow  # report.main starts a process inside the project's code (conftest cannot see it)
@@ -596,3 +726,11 @@ def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
     assert lines[-1] == "Early stopping after epoch 3 (1 safety-net epoch(s) after the 2-epoch budget)"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     assert len(report.printed_lines(report.read_run(path))) == 2
+
+
+def test_the_example_notes_file_is_accepted_and_fills_its_slots(logs, tmp_path):
+    notes = report.read_notes(EXAMPLE / "notes.yaml", [report.read_run(logs["two"])])
+    assert set(notes) == {"steps", "explain"} and set(notes["explain"]) == set(report.EXPLAIN)
+    text = report.write_report([report.read_run(logs["two"])], tmp_path / "out", figures=False,
+                               notes=notes)[0].read_text()
+    assert f"[you write: {report.EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text
