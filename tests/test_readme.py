@@ -13,7 +13,7 @@ from cifar_wrn.runlog import run_log_path
 from conftest import REPO, cpu_env, finish, start, write_cifar
 
 # Appended to the README's training commands: a small subset, one epoch, the tests' tiny model.
-TINY_RUN = ["--train-subset", "64", "--val-subset", "32", "--epochs", "1", "--model-width", "4",
+TINY_RUN = ["--train-subset", "64", "--val-subset", "32", "--epochs", "1", "--batch-size", "8", "--model-width", "4",
             "--set", "eval_batch_size=64"]
 
 
