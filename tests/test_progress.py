@@ -263,6 +263,8 @@ def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
 
 
 def without_times(stdout: str) -> str:
+    """stdout less what differs between two runs alike: the times, and the run folder named by its start."""
+    stdout = re.sub(r"Run log: \S+", "Run log: *", stdout)
     return re.sub(r"(Cumulative Time|Epoch Time|Images/sec) = [\d.]+", r"\1 = *", stdout)
 
 
