@@ -328,7 +328,7 @@ def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: 
     per_node = local_world_size(accelerator.num_processes)
     layout = f"{accelerator.num_processes // per_node}x{per_node}"
     is_main = accelerator.is_main_process
-    path = is_main and run_log_path(args.log_json, args.checkpoint_dir, args.recipe, layout, prefix="accel-")
+    path = is_main and run_log_path(args.log_json, args.recipe, layout, prefix="accel-")
     log = open_run_log(path or None, progress, data, raw_model, recipe,
                        lr, accelerator.num_processes, args.model_width, num_gpus=per_node,
                        num_nodes=accelerator.num_processes // per_node, backend=accelerator.state.backend or "none",

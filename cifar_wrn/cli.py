@@ -30,8 +30,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
     p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
     p.add_argument("--log-json", metavar="PATH",
-                   help="the JSON-lines log: a header, then one object per epoch (default: DIR/log.jsonl with "
-                        "--checkpoint-dir DIR, else a new folder under $RUNS_DIR, default runs/)")
+                   help="the JSON-lines log: a header, then one object per epoch (default: a new folder under "
+                        "$RUNS_DIR, default runs/; give it with --auto-resume so that a resumed run continues it)")
     p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
     p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
     p.add_argument("--checkpoint-dir", metavar="DIR",

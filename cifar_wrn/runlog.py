@@ -108,13 +108,11 @@ def run_header(**fields) -> dict:
             "git_commit": git_commit(), "torch_version": torch.__version__, **fields}
 
 
-def run_log_path(log_json, checkpoint_dir, recipe_name: str, layout: str, prefix: str = "") -> str:
-    """Where rank 0 writes the JSON log: --log-json, else beside the checkpoints (a resumed run continues the
-    same log), else a new folder $RUNS_DIR/<prefix><recipe>-<layout>-<time>/ (RUNS_DIR defaults to runs)."""
+def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
+    """Where rank 0 writes the JSON log: --log-json, else a new folder $RUNS_DIR/<prefix><recipe>-<layout>-<time>/
+    (RUNS_DIR defaults to runs). Not beside the checkpoints: a full checkpoint disk must not stop the log."""
     if log_json:
         return log_json
-    if checkpoint_dir:
-        return os.path.join(checkpoint_dir, "log.jsonl")
     name = f"{prefix}{Path(recipe_name).stem}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
     for n in range(1, 100):  # two runs started in the same second get folders of their own
         folder = Path(os.environ.get("RUNS_DIR") or "runs", name if n == 1 else f"{name}-{n}")

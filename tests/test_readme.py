@@ -40,10 +40,9 @@ def test_the_readme_names_each_command_of_the_students_path():
 
 def test_where_a_run_log_goes(tmp_path, monkeypatch):
     monkeypatch.setenv("RUNS_DIR", str(tmp_path / "runs"))
-    assert run_log_path("mine.jsonl", "ckpt", "fast", "1x2") == "mine.jsonl"  # --log-json chooses
-    assert run_log_path(None, "ckpt", "fast", "1x2") == os.path.join("ckpt", "log.jsonl")  # a resume continues it
-    first = run_log_path(None, None, "recipes/fast.yaml", "1x2", prefix="accel-")
-    second = run_log_path(None, None, "recipes/fast.yaml", "1x2", prefix="accel-")
+    assert run_log_path("mine.jsonl", "fast", "1x2") == "mine.jsonl"  # --log-json chooses
+    first = run_log_path(None, "recipes/fast.yaml", "1x2", prefix="accel-")
+    second = run_log_path(None, "recipes/fast.yaml", "1x2", prefix="accel-")
     assert re.fullmatch(r"accel-fast-1x2-\d{8}-\d{6}(-2)?", os.path.basename(os.path.dirname(first)))
     assert os.path.dirname(first) != os.path.dirname(second)  # the same second: a folder each
     assert all(os.path.isdir(os.path.dirname(p)) and not os.listdir(os.path.dirname(p)) for p in (first, second))
