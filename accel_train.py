@@ -326,12 +326,11 @@ def allreduce_estimate(args, steps_run, run, model, images, labels, criterion) -
 def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     per_node = local_world_size(accelerator.num_processes)
-    layout = f"{accelerator.num_processes // per_node}x{per_node}"
-    is_main = accelerator.is_main_process
-    path = is_main and run_log_path(args.log_json, args.recipe, layout, prefix="accel-")
-    log = open_run_log(path or None, progress, data, raw_model, recipe,
-                       lr, accelerator.num_processes, args.model_width, num_gpus=per_node,
-                       num_nodes=accelerator.num_processes // per_node, backend=accelerator.state.backend or "none",
+    num_nodes = accelerator.num_processes // per_node
+    layout = f"{num_nodes}x{per_node}"
+    path = run_log_path(args.log_json, args.recipe, layout, prefix="accel-") if accelerator.is_main_process else None
+    log = open_run_log(path, progress, data, raw_model, recipe, lr, accelerator.num_processes, args.model_width,
+                       num_gpus=per_node, num_nodes=num_nodes, backend=accelerator.state.backend or "none",
                        device=accelerator.device.type, launcher=launcher_name(), trainer="accelerate",
                        accelerate_version=accelerate.__version__, mixed_precision=accelerator.mixed_precision,
                        distributed_type=accelerator.distributed_type.value)

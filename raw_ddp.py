@@ -287,8 +287,8 @@ def allreduce_estimate(args, data: Loaders, model, raw_model, images, labels, cr
 def open_log(args, recipe, rank, world_size, device, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     layout = f"{args.num_nodes}x{args.num_gpus}"
-    path = rank == 0 and run_log_path(args.log_json, args.recipe, layout)
-    return open_run_log(path or None, progress, data, raw_model, recipe, lr, world_size,
+    path = run_log_path(args.log_json, args.recipe, layout) if rank == 0 else None
+    return open_run_log(path, progress, data, raw_model, recipe, lr, world_size,
                         args.model_width, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
                         backend=dist.get_backend(), device=device.type,
                         launcher="torchrun" if launched_by_torchrun() else "mp.spawn")
