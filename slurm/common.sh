@@ -265,7 +265,7 @@ run_logged() {
 # (1) the stop is passed on through a file, STOP_FILE (runs/<job id>/stop-request): the shell
 # writes "stop" into it, and on every node launch_stoppable, which runs `accelerate launch`
 # there, reads it every second and sends its launcher SIGTERM (torchrun's agent passes that on to
-# the ranks, which checkpoint and exit 75); (2) `accelerate launch` then exits 1, not 75, so the
+# the ranks, which checkpoint and exit 75); (2) `accelerate launch` then exits 1 (143 from 1.16 on), not 75, so the
 # shell takes the training's own line "stopped by a signal at epoch E, step S: checkpoint written
 # to ..." in this run's output as the status 75. (raw_multinode needs that too: once the first
 # node's launcher has exited 75, srun's --kill-on-bad-exit=1 terminates the other nodes' tasks,
@@ -392,7 +392,7 @@ run_preemptable() {
         kill -0 "$tee_pid" 2>/dev/null || break
         sleep 0.1
     done
-    # `accelerate launch` exits 1 when its ranks exit 75, and srun reports a failure when
+    # `accelerate launch` fails (1, or 143) when its ranks exit 75, and srun reports a failure when
     # --kill-on-bad-exit ended a node that was exiting 75 after another: the training's line says
     # what happened.
     if (( status != 0 && status != PREEMPTED_EXIT )) \

@@ -15,7 +15,7 @@ from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
 from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
-from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
+from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
 
 PREEMPTED_EXIT = 75
 EPOCH = re.compile(r"^Epoch = +(\d+): Cumulative Time = .*Validation Accuracy = [\d.]+$", re.M)
@@ -181,8 +181,9 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     stopped = finish(proc, 240)
     state = load_checkpoint(ck) if trainer == "raw" else read_training_state(latest_checkpoint(ck))
     epoch, step = state["epoch"], state["step"]  # the epochs finished, the steps done of the next one
-    # (the ranks exit 75; accelerate launch, re-raising the SIGTERM its agent passed on, exits 1: test_accel.py)
-    assert stopped.returncode == (PREEMPTED_EXIT if trainer == "raw" else 1), stopped.stderr[-3000:]
+    # (the ranks exit 75; accelerate launch fails, as its agent passed the SIGTERM on: test_accel.py)
+    expected = (PREEMPTED_EXIT,) if trainer == "raw" else LAUNCHER_SIGTERM_EXITS
+    assert stopped.returncode in expected, stopped.stderr[-3000:]
     assert step in (1, 2) and 3 <= epoch < 30, (epoch, step, stopped.stdout[-2000:], stopped.stderr[-3000:])
     assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, \
         stopped.stderr[-3000:]
