@@ -29,6 +29,7 @@ Every recipe key and flag works as in raw_ddp.py. Checkpoints are accelerator.sa
 atomically through DIR/LATEST. Preemption: SIGUSR1 to the ranks, or SIGTERM to `accelerate launch` (SIGUSR1
 would kill its torchrun agent); the ranks checkpoint within ~2 s (or a step) and exit 75. Details: docs/accelerate.md.
 """
+
 # ============================================================================ setup
 import argparse
 import dataclasses
@@ -43,43 +44,122 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import (failure, fresh_folder, latest_checkpoint, publish_checkpoint, read_accel_for_resume,
-                                  restore_accel, resume_disagreement, resume_problem, stop_unless_written,
-                                  what_was_seen, write_folder)
-from cifar_wrn.cli import (accelerate_launch_problem, add_training_flags, check_training_flags, launcher_name,
-                           launcher_world_size, local_world_size, recipe_from_args, show_progress)
-from cifar_wrn.data import (Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
+from cifar_wrn.checkpoint import (
+    failure,
+    fresh_folder,
+    latest_checkpoint,
+    publish_checkpoint,
+    read_accel_for_resume,
+    restore_accel,
+    resume_disagreement,
+    resume_problem,
+    stop_unless_written,
+    what_was_seen,
+    write_folder,
+)
+from cifar_wrn.cli import (
+    accelerate_launch_problem,
+    add_training_flags,
+    check_training_flags,
+    launcher_name,
+    launcher_world_size,
+    local_world_size,
+    recipe_from_args,
+    show_progress,
+)
+from cifar_wrn.data import (
+    Loaders,
+    SkipFirst,
+    dataset_present,
+    download_cifar10,
+    evaluate,
+    load_splits,
+    loader_options,
+    make_datasets,
+    real_sample_mask,
+    recalibration_batches,
+    require_a_step,
+)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
-from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
+from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.recipe import as_dict, build_training, check_supported, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 
 # The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
 # optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
-SUPPORTED_RECIPE_KEYS = frozenset({"epochs", "target_accuracy", "patience", "batch_size", "base_lr", "lr_scaling",
-    "reference_batch_size", "lr_schedule", "warmup_epochs", "anneal_epochs", "residual_bn_init", "momentum",
-    "nesterov", "weight_decay", "label_smoothing", "precision", "channels_last", "cudnn_benchmark", "data_pipeline",
-    "augment", "num_workers", "eval_batch_size", "seed", "grad_clip_norm", "ema_decay", "ddp_bucket_view",
-    "ddp_static_graph", "grad_compression", "sync_bn", "compile", "tta_flip", "crop_padding", "bn_lr_scale",
-    "tta_translate", "bn_recalibration", "muon", "muon_lr", "muon_momentum", "bn_bias_lr_scale", "freeze_bn_scale",
-    "lookahead_steps", "lookahead_alpha", "alternating_flip", "extra_epochs"})
+SUPPORTED_RECIPE_KEYS = frozenset(
+    {
+        "epochs",
+        "target_accuracy",
+        "patience",
+        "batch_size",
+        "base_lr",
+        "lr_scaling",
+        "reference_batch_size",
+        "lr_schedule",
+        "warmup_epochs",
+        "anneal_epochs",
+        "residual_bn_init",
+        "momentum",
+        "nesterov",
+        "weight_decay",
+        "label_smoothing",
+        "precision",
+        "channels_last",
+        "cudnn_benchmark",
+        "data_pipeline",
+        "augment",
+        "num_workers",
+        "eval_batch_size",
+        "seed",
+        "grad_clip_norm",
+        "ema_decay",
+        "ddp_bucket_view",
+        "ddp_static_graph",
+        "grad_compression",
+        "sync_bn",
+        "compile",
+        "tta_flip",
+        "crop_padding",
+        "bn_lr_scale",
+        "tta_translate",
+        "bn_recalibration",
+        "muon",
+        "muon_lr",
+        "muon_momentum",
+        "bn_bias_lr_scale",
+        "freeze_bn_scale",
+        "lookahead_steps",
+        "lookahead_alpha",
+        "alternating_flip",
+        "extra_epochs",
+    }
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
-    p = argparse.ArgumentParser(description="Accelerate training of the course WideResNet on CIFAR-10. The number of "
-                                            "processes, nodes and the mixed precision come from the launcher "
-                                            "(accelerate launch --config_file accelerate_configs/<X>.yaml).")
-    p.add_argument("--cpu", action="store_true",
-                   help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
-                        "(or set ACCELERATE_USE_CPU=1)")
-    p.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)")
+    p = argparse.ArgumentParser(
+        description="Accelerate training of the course WideResNet on CIFAR-10. The number of "
+        "processes, nodes and the mixed precision come from the launcher "
+        "(accelerate launch --config_file accelerate_configs/<X>.yaml)."
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
+        "(or set ACCELERATE_USE_CPU=1)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)",
+    )
     add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
     return p.parse_args(argv)
 
@@ -88,14 +168,16 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
     """A1.2 + A1.3 + A1.7: Accelerator() reads RANK/WORLD_SIZE/LOCAL_RANK from the launcher's environment,
     joins the process group (nccl, or gloo on the CPU) and picks this process's device, cuda:<local_rank>."""
     import torch._dynamo as _  # noqa: F401  before the group forms: loaded later, it outlives it (raw_ddp.py)
+
     try:
         accelerator = Accelerator(
             cpu=args.cpu,
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",  # autocast; weights stay fp32
             # A1.5 + A1.6: prepare() turns the shuffling sampler into a SeedableRandomSampler seeded with
             # recipe.seed + epoch (the same order on every rank, a new one each epoch) and shards its batches.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed,
-                                                      non_blocking=True),
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
+            ),
             # build_scheduler counts one process's steps (Accelerate would step it num_processes times per step)
             step_scheduler_with_optimizer=False,
             # recipe.compile: prepare() wraps the DDP model in torch.compile; the recipe decides, not the config
@@ -103,19 +185,31 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
             kwargs_handlers=[
                 # A1.8: the DDP settings; those raw_ddp.py passes to DDP(...) and register_comm_hook by hand.
                 DistributedDataParallelKwargs(
-                    broadcast_buffers=True, bucket_cap_mb=25, find_unused_parameters=False,
-                    gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph,
+                    broadcast_buffers=True,
+                    bucket_cap_mb=25,
+                    find_unused_parameters=False,
+                    gradient_as_bucket_view=recipe.ddp_bucket_view,
+                    static_graph=recipe.ddp_static_graph,
                     # half the bytes on the wire; the average is rounded to bf16
-                    comm_hook=DDPCommunicationHookType.BF16 if recipe.grad_compression == "bf16"
-                    else DDPCommunicationHookType.NO),
+                    comm_hook=DDPCommunicationHookType.BF16
+                    if recipe.grad_compression == "bf16"
+                    else DDPCommunicationHookType.NO,
+                ),
                 InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout)),  # A1.3: finite
-            ])
+            ],
+        )
     except dist.DistError as exc:
-        raise group_not_formed("", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
-                               launcher_world_size(), args.dist_timeout, exc, "Start every node with the same "
-                               "config, --main_process_ip and --main_process_port.") from None
-    problem = accelerate_launch_problem(accelerator.num_processes, accelerator.distributed_type.value,
-                                        accelerator.device.type, accelerate.__version__)
+        raise group_not_formed(
+            "",
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+            launcher_world_size(),
+            args.dist_timeout,
+            exc,
+            "Start every node with the same config, --main_process_ip and --main_process_port.",
+        ) from None
+    problem = accelerate_launch_problem(
+        accelerator.num_processes, accelerator.distributed_type.value, accelerator.device.type, accelerate.__version__
+    )
     if problem:  # refuse to train when Accelerate did not join the processes the launch started (every rank sees it)
         raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")  # printed once per node
     device = accelerator.device
@@ -150,15 +244,24 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     if recipe.data_pipeline == "device":
         # NOT prepared: prepare() would deal this BatchSampler's batches out to the ranks, each rank getting 1/W of
         # its own shard; so the sharding stays explicit, as in raw_ddp.py (docs/accelerate.md explains).
-        train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                           seed=recipe.seed)
+        train_sampler = DistributedSampler(
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=recipe.seed
+        )
         val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
         val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
         train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # A1.5 (by hand)
         val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)
-        data = Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
-                       train_sampler, train_batches, real_sample_mask(val_sampler))
+        data = Loaders(
+            train_set,
+            train_loader,
+            val_loader,
+            len(val_set),
+            len(train_batches.batches),
+            train_sampler,
+            train_batches,
+            real_sample_mask(val_sampler),
+        )
     else:
         # Plain loaders over the whole data set. drop_last: a short last batch would change the step size
         # of that step and can leave BatchNorm a single image.
@@ -240,11 +343,19 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
-                if guard.check(loss, epoch, step, data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
-                               lambda flags: accelerator.reduce(flags, reduction="sum")):
+                if guard.check(
+                    loss,
+                    epoch,
+                    step,
+                    data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
+                    lambda flags: accelerator.reduce(flags, reduction="sum"),
+                ):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
-                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(
-                        args, recipe, rank, world_size, device, run, at))
+                    raise preempted(
+                        epoch,
+                        step,
+                        args.checkpoint_dir and save_checkpoint(args, recipe, rank, world_size, device, run, at),
+                    )
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
@@ -254,12 +365,19 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             profile = timer.totals()  # {} unless --profile
             comm = allreduce_estimate(args, data.steps_per_epoch - progress.step, run, model, images, labels, criterion)
             # =============================================================== evaluate
-            images_per_sec = torch.tensor([data.steps_per_epoch * per_device_batch_size / epoch_time],
-                                          dtype=torch.float64, device=device)
+            images_per_sec = torch.tensor(
+                [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
+            )
             images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: a SUM: each rank, other images
             val_loss, val_accuracy = validate(accelerator, eval_model, data, device, recipe, show)  # A1.9
-            metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
-                       "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
+            metrics = {
+                "epoch": epoch + 1,
+                "cumulative_time": progress.cumulative_time,
+                "epoch_time": epoch_time,
+                "images_per_sec": images_per_sec.item(),
+                "val_loss": val_loss,
+                "val_accuracy": val_accuracy,
+            }
             done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
             if is_main:  # A1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # A1.10
@@ -291,9 +409,16 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     # A1.9: the device pipeline's explicit DistributedSampler gives sums over this rank's real images, and
     # summed sums and counts keep their ratio exact; the prepared loader's batches are gathered per batch
     # (gather_for_metrics collects every rank's per-image results and drops the padding repeats).
-    totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device, autocast_dtype,
-                      recipe.tta_flip, recipe.tta_translate,
-                      gather=None if data.val_mask is not None else accelerator.gather_for_metrics)  # A1.9
+    totals = evaluate(
+        eval_model,
+        validation_bar(show, data.val_loader),
+        data.val_mask,
+        device,
+        autocast_dtype,
+        recipe.tta_flip,
+        recipe.tta_translate,
+        gather=None if data.val_mask is not None else accelerator.gather_for_metrics,
+    )  # A1.9
     if data.val_mask is not None:
         totals = accelerator.reduce(totals, reduction="sum")  # A1.9
     if round(totals[2].item()) != data.val_images:  # exactness check: every image counted exactly once
@@ -319,8 +444,14 @@ def allreduce_estimate(args, steps_run, run, model, images, labels, criterion) -
     if not (args.profile and steps_run):  # no step run: a resume at the epoch's last step
         return 0.0
     accelerator, raw_model, device = run[0], run[1], run[0].device
-    return steps_run * allreduce_cost(lambda: criterion(model(images), labels), accelerator.backward,
-                                      lambda: accelerator.no_sync(model), model.zero_grad, raw_model, device)
+    return steps_run * allreduce_cost(
+        lambda: criterion(model(images), labels),
+        accelerator.backward,
+        lambda: accelerator.no_sync(model),
+        model.zero_grad,
+        raw_model,
+        device,
+    )
 
 
 def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
@@ -329,11 +460,25 @@ def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: 
     num_nodes = accelerator.num_processes // per_node
     layout = f"{num_nodes}x{per_node}"
     path = run_log_path(args.log_json, args.recipe, layout, prefix="accel-") if accelerator.is_main_process else None
-    log = open_run_log(path, progress, data, raw_model, recipe, lr, accelerator.num_processes, args.model_width,
-                       num_gpus=per_node, num_nodes=num_nodes, backend=accelerator.state.backend or "none",
-                       device=accelerator.device.type, launcher=launcher_name(), trainer="accelerate",
-                       accelerate_version=accelerate.__version__, mixed_precision=accelerator.mixed_precision,
-                       distributed_type=accelerator.distributed_type.value)
+    log = open_run_log(
+        path,
+        progress,
+        data,
+        raw_model,
+        recipe,
+        lr,
+        accelerator.num_processes,
+        args.model_width,
+        num_gpus=per_node,
+        num_nodes=num_nodes,
+        backend=accelerator.state.backend or "none",
+        device=accelerator.device.type,
+        launcher=launcher_name(),
+        trainer="accelerate",
+        accelerate_version=accelerate.__version__,
+        mixed_precision=accelerator.mixed_precision,
+        distributed_type=accelerator.distributed_type.value,
+    )
     if args.precision_note and accelerator.is_main_process:
         print(f"note: {args.precision_note}", flush=True)
     return log
@@ -350,8 +495,14 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
     if state is not None:  # each rank loads its part (its own random states) before the ranks agree
         problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
-            restore_accel, accelerator, folder, state, device.type, eval_model if eval_model is not raw_model else None,
-            data.train_set.generator if data.train_sampler is not None else None)  # the device pipeline's stream
+            restore_accel,
+            accelerator,
+            folder,
+            state,
+            device.type,
+            eval_model if eval_model is not raw_model else None,
+            data.train_set.generator if data.train_sampler is not None else None,
+        )  # the device pipeline's stream
     problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
     if problem:
         raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
@@ -359,8 +510,11 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
         return Progress()
     progress = Progress.of(state)
     if rank == 0:
-        print(f"Resuming from {folder}: epoch {progress.epoch + 1}, step {progress.step} of "
-              f"{data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}", flush=True)
+        print(
+            f"Resuming from {folder}: epoch {progress.epoch + 1}, step {progress.step} of "
+            f"{data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}",
+            flush=True,
+        )
         if state["finished"]:
             print("Nothing to do: that run had already finished", flush=True)
     return None if state["finished"] else progress
@@ -371,9 +525,17 @@ def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progr
     Returns the checkpoint's folder."""
     accelerator, raw_model, eval_model, data = run
     pipeline = gather_object([data.train_set.generator.get_state() if data.train_sampler is not None else None])
-    state = {**progress.as_dict(), "finished": finished, "pipeline": pipeline, "recipe": as_dict(recipe),
-             "world_size": world_size, "model_width": args.model_width, **data.sizes(), "device": device.type,
-             "ema": eval_model.state_dict() if eval_model is not raw_model else None}
+    state = {
+        **progress.as_dict(),
+        "finished": finished,
+        "pipeline": pipeline,
+        "recipe": as_dict(recipe),
+        "world_size": world_size,
+        "model_width": args.model_width,
+        **data.sizes(),
+        "device": device.type,
+        "ema": eval_model.state_dict() if eval_model is not raw_model else None,
+    }
     incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
     leftover = incomplete if rank == 0 else None  # after a failure rank 0 removes the half-written folder
     # Each step's outcome on every rank (also the barrier): any failure, whatever raised it, stops all together.
@@ -410,11 +572,14 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     args.precision_note = None
     if launch_precision not in ("no", "bf16"):
-        raise UserError(f"the launch asks for mixed precision {launch_precision!r}; this trainer supports bf16 or "
-                        f"'no' (the recipe's precision decides): fix mixed_precision in the accelerate config")
+        raise UserError(
+            f"the launch asks for mixed precision {launch_precision!r}; this trainer supports bf16 or "
+            f"'no' (the recipe's precision decides): fix mixed_precision in the accelerate config"
+        )
     if launch_precision == "bf16" and recipe.precision != "bf16":
-        args.precision_note = (f"mixed_precision bf16 from the accelerate launch overrides the recipe's precision "
-                               f"{recipe.precision}")
+        args.precision_note = (
+            f"mixed_precision bf16 from the accelerate launch overrides the recipe's precision {recipe.precision}"
+        )
         recipe = dataclasses.replace(recipe, precision="bf16")
     check_launch(args)
     if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()):

@@ -25,6 +25,7 @@ Launch:
     # the challenge recipe (docs/optimizations.md); checkpoints every epoch, resumable after preemption
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --recipe fast --checkpoint-dir ckpt --auto-resume
 """
+
 # ============================================================================ setup
 import argparse
 import os
@@ -35,22 +36,50 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.checkpoint import (checkpoint_path, failure, read_for_resume, restore_raw, resume_disagreement,
-                                  resume_problem, save_atomic, stop_unless_written, what_was_seen)
-from cifar_wrn.cli import (add_training_flags, check_training_flags, launched_by_torchrun, port_from_env, port_is_free,
-                           recipe_from_args, show_progress)
-from cifar_wrn.data import (DeviceBatches, Loaders, SkipFirst, dataset_present, download_cifar10, evaluate, load_splits,
-                            loader_options, make_datasets, real_sample_mask, recalibration_batches, require_a_step)
+from cifar_wrn.checkpoint import (
+    checkpoint_path,
+    failure,
+    read_for_resume,
+    restore_raw,
+    resume_disagreement,
+    resume_problem,
+    save_atomic,
+    stop_unless_written,
+    what_was_seen,
+)
+from cifar_wrn.cli import (
+    add_training_flags,
+    check_training_flags,
+    launched_by_torchrun,
+    port_from_env,
+    port_is_free,
+    recipe_from_args,
+    show_progress,
+)
+from cifar_wrn.data import (
+    DeviceBatches,
+    Loaders,
+    SkipFirst,
+    dataset_present,
+    download_cifar10,
+    evaluate,
+    load_splits,
+    loader_options,
+    make_datasets,
+    real_sample_mask,
+    recalibration_batches,
+    require_a_step,
+)
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
-from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
+from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.recipe import as_dict, build_training, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
@@ -60,16 +89,35 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     p = argparse.ArgumentParser(description="Hand-written DDP training of the course WideResNet on CIFAR-10.")
     p.add_argument("--num-nodes", type=int, default=1, help="machines taking part (default 1)")
     p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1 (default 0)")
-    p.add_argument("--num-gpus", type=int, default=1,
-                   help="processes on this machine: one per GPU, or CPU processes with --device cpu (default 1)")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
-                   help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1 when there is one node)")
-    p.add_argument("--master-port", type=int, default=port_from_env(),
-                   help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)")
-    p.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: CUDA when available, else CPU with a warning (default auto)")
+    p.add_argument(
+        "--num-gpus",
+        type=int,
+        default=1,
+        help="processes on this machine: one per GPU, or CPU processes with --device cpu (default 1)",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR"),
+        help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1 when there is one node)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=port_from_env(),
+        help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="auto: CUDA when available, else CPU with a warning (default auto)",
+    )
     add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
     return p.parse_args(argv)
 
@@ -97,16 +145,28 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
     # Loaded later (DDP's constructor, torchvision), torch._dynamo keeps the group alive past destroy_process_group,
     # and its threads, torn down at exit, can abort the process (SIGABRT).
     import torch._dynamo as _  # noqa: F401
+
     # R1.3: join the process group (nccl on GPUs, gloo on CPUs): every rank connects to node 0's address and port.
     init_method = "env://" if launched_by_torchrun() else f"tcp://{args.master_addr}:{args.master_port}"
     try:
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,  # R1.3
-                                timeout=timedelta(seconds=args.dist_timeout),  # finite: a lost peer ends the run
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,  # R1.3
+            timeout=timedelta(seconds=args.dist_timeout),  # finite: a lost peer ends the run
+            device_id=device if backend == "nccl" else None,
+        )
     except dist.DistError as exc:  # timed out waiting for peers, or could not reach node 0
         where = f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
-        raise group_not_formed(f"rank {rank}: ", where, world_size, args.dist_timeout, exc, "Start every node with "
-                               "the same --num-nodes, --num-gpus, --master-addr and --master-port.") from None
+        raise group_not_formed(
+            f"rank {rank}: ",
+            where,
+            world_size,
+            args.dist_timeout,
+            exc,
+            "Start every node with the same --num-nodes, --num-gpus, --master-addr and --master-port.",
+        ) from None
     return rank, world_size, device
 
 
@@ -142,9 +202,17 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
         train_loader = DataLoader(train_set, batch_sampler=train_batches, **options)  # R1.5
         val_loader = DataLoader(val_set, batch_sampler=val_batches, **options)  # R1.5
     require_a_step(len(train_batches.batches), len(train_set), world_size, recipe.batch_size)
-    return Loaders(train_set, train_loader, val_loader, len(val_set), len(train_batches.batches),
-                   train_sampler, train_batches, real_sample_mask(val_sampler),  # the mask leaves out padding
-                   recalibration_batches(train_set, recipe, rank, world_size, device))  # bn_recalibration (or [])
+    return Loaders(
+        train_set,
+        train_loader,
+        val_loader,
+        len(val_set),
+        len(train_batches.batches),
+        train_sampler,
+        train_batches,
+        real_sample_mask(val_sampler),  # the mask leaves out padding
+        recalibration_batches(train_set, recipe, rank, world_size, device),
+    )  # bn_recalibration (or [])
 
 
 # ============================================================================ model
@@ -159,8 +227,12 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
     raw_model = raw_model.to(device, memory_format=memory_format)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     # R1.8: DDP registers hooks that average gradients over all ranks during backward.
-    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,  # R1.8
-                gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
+    model = DDP(
+        raw_model,
+        device_ids=[local_rank] if device.type == "cuda" else None,  # R1.8
+        gradient_as_bucket_view=recipe.ddp_bucket_view,
+        static_graph=recipe.ddp_static_graph,
+    )
     if recipe.grad_compression == "bf16":  # half the bytes on the wire; the average is rounded to bf16
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     eval_model = raw_model if recipe.ema_decay == 0 else build_ema(raw_model, recipe.ema_decay)  # warms up
@@ -215,11 +287,19 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
-                if guard.check(loss, epoch, step, data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
-                               lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)):
+                if guard.check(
+                    loss,
+                    epoch,
+                    step,
+                    data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
+                    lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
+                ):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
-                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(
-                        args, recipe, rank, world_size, device, run, at))
+                    raise preempted(
+                        epoch,
+                        step,
+                        args.checkpoint_dir and save_checkpoint(args, recipe, rank, world_size, device, run, at),
+                    )
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
             bar.close()
@@ -229,12 +309,19 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             profile = timer.totals()  # {} unless --profile
             comm = allreduce_estimate(args, data, model, raw_model, images, labels, criterion, autocast, device)
             # =============================================================== evaluate
-            images_per_sec = torch.tensor([data.steps_per_epoch * per_device_batch_size / epoch_time],
-                                          dtype=torch.float64, device=device)
+            images_per_sec = torch.tensor(
+                [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
+            )
             dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: a SUM: each rank trains on other images
             val_loss, val_accuracy = validate(eval_model, data, device, recipe, show)  # R1.9
-            metrics = {"epoch": epoch + 1, "cumulative_time": progress.cumulative_time, "epoch_time": epoch_time,
-                       "images_per_sec": images_per_sec.item(), "val_loss": val_loss, "val_accuracy": val_accuracy}
+            metrics = {
+                "epoch": epoch + 1,
+                "cumulative_time": progress.cumulative_time,
+                "epoch_time": epoch_time,
+                "images_per_sec": images_per_sec.item(),
+                "val_loss": val_loss,
+                "val_accuracy": val_accuracy,
+            }
             done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
             if is_main:  # R1.10: one line per epoch, from rank 0 only
                 print(epoch_line(metrics), flush=True)  # R1.10
@@ -263,8 +350,15 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     # buffers: an EMA's update counter is the same on every rank.)
     for buffer in evaluated_network(eval_model).buffers():
         dist.broadcast(buffer, src=0)
-    totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device,  # sums, count
-                      torch.bfloat16 if recipe.precision == "bf16" else None, recipe.tta_flip, recipe.tta_translate)
+    totals = evaluate(
+        eval_model,
+        validation_bar(show, data.val_loader),
+        data.val_mask,
+        device,  # sums, count
+        torch.bfloat16 if recipe.precision == "bf16" else None,
+        recipe.tta_flip,
+        recipe.tta_translate,
+    )
     # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
     dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
@@ -280,18 +374,31 @@ def allreduce_estimate(args, data: Loaders, model, raw_model, images, labels, cr
     def forward():
         with torch.autocast(**autocast):
             return criterion(model(images), labels)
-    return steps_run * allreduce_cost(forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad,
-                                      raw_model, device)
+
+    return steps_run * allreduce_cost(
+        forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad, raw_model, device
+    )
 
 
 def open_log(args, recipe, rank, world_size, device, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     layout = f"{args.num_nodes}x{args.num_gpus}"
     path = run_log_path(args.log_json, args.recipe, layout) if rank == 0 else None
-    return open_run_log(path, progress, data, raw_model, recipe, lr, world_size,
-                        args.model_width, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
-                        backend=dist.get_backend(), device=device.type,
-                        launcher="torchrun" if launched_by_torchrun() else "mp.spawn")
+    return open_run_log(
+        path,
+        progress,
+        data,
+        raw_model,
+        recipe,
+        lr,
+        world_size,
+        args.model_width,
+        num_nodes=args.num_nodes,
+        num_gpus=args.num_gpus,
+        backend=dist.get_backend(),
+        device=device.type,
+        launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
+    )
 
 
 # ============================================================================ checkpoint
@@ -305,7 +412,8 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
     if checkpoint is not None:  # each rank loads its part before the ranks agree: one that cannot stops them all
         problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
-            restore_raw, checkpoint, rank, device, run[:4], getattr(data.train_set, "generator", None))
+            restore_raw, checkpoint, rank, device, run[:4], getattr(data.train_set, "generator", None)
+        )
     seen = [None] * world_size
     dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
     problem = resume_disagreement(seen)
@@ -315,9 +423,11 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
         return Progress()
     progress = Progress.of(checkpoint)
     if rank == 0:
-        print(f"Resuming from {checkpoint_path(args.checkpoint_dir)}: epoch {progress.epoch + 1}, step "
-              f"{progress.step} of {data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}",
-              flush=True)
+        print(
+            f"Resuming from {checkpoint_path(args.checkpoint_dir)}: epoch {progress.epoch + 1}, step "
+            f"{progress.step} of {data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}",
+            flush=True,
+        )
         if checkpoint["finished"]:
             print("Nothing to do: that run had already finished", flush=True)
     return None if checkpoint["finished"] else progress
@@ -326,17 +436,28 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
 def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progress, finished: bool = False) -> str:
     """Rank 0 writes everything needed to continue at `progress`; all ranks wait for it. Returns the path."""
     raw_model, eval_model, optimizer, scheduler, data = run
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-           "pipeline": data.train_set.generator.get_state() if isinstance(data.train_set, DeviceBatches) else None}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "pipeline": data.train_set.generator.get_state() if isinstance(data.train_set, DeviceBatches) else None,
+    }
     every_rng = [None] * world_size if rank == 0 else None
     dist.gather_object(rng, every_rng, dst=0)  # each rank's random state, collected on rank 0
     path, problem = checkpoint_path(args.checkpoint_dir), None
     if rank == 0:
-        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(),
-                 "ema": eval_model.state_dict() if eval_model is not raw_model else None,
-                 **progress.as_dict(), "finished": finished, "rng": every_rng, "recipe": as_dict(recipe),
-                 "world_size": world_size, "model_width": args.model_width, **data.sizes()}
+        state = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "ema": eval_model.state_dict() if eval_model is not raw_model else None,
+            **progress.as_dict(),
+            "finished": finished,
+            "rng": every_rng,
+            "recipe": as_dict(recipe),
+            "world_size": world_size,
+            "model_width": args.model_width,
+            **data.sizes(),
+        }
         problem = failure(save_atomic, state, path)  # a full disk, whatever torch.save raises for it
     outcome = [problem]
     dist.broadcast_object_list(outcome, src=0)  # also the barrier: nobody goes on before the checkpoint is on disk
@@ -350,8 +471,9 @@ def check_launch(args, cuda_device_count: int) -> None:
     if args.num_nodes < 1:
         raise UserError(f"--num-nodes must be >= 1 (got {args.num_nodes})")
     if not 0 <= args.node_id < args.num_nodes:
-        raise UserError(f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} "
-                        f"(got {args.node_id})")
+        raise UserError(
+            f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} (got {args.node_id})"
+        )
     if args.num_gpus < 1:
         raise UserError(f"--num-gpus must be >= 1 (got {args.num_gpus})")
     if args.device == "cuda" and cuda_device_count == 0:
@@ -360,17 +482,26 @@ def check_launch(args, cuda_device_count: int) -> None:
         raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
     check_training_flags(args, writes_outputs=args.node_id == 0)  # cifar_wrn/cli.py
     if args.master_addr is None:
-        raise UserError("--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
-                        "node 0, which every node can reach")
+        raise UserError(
+            "--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
+            "node 0, which every node can reach"
+        )
     if args.master_port is None and args.num_nodes > 1:
-        raise UserError("--master-port (or $MASTER_PORT) is required with more than one node, "
-                        "so that every node meets at the same port")
+        raise UserError(
+            "--master-port (or $MASTER_PORT) is required with more than one node, "
+            "so that every node meets at the same port"
+        )
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port must be in 1-65535 (got {args.master_port})")
-    if args.master_port is not None and args.node_id == 0 and not launched_by_torchrun() \
-            and not port_is_free(args.master_port):
-        raise UserError(f"--master-port {args.master_port} is already in use on this machine "
-                        f"(another run?); pick another port")
+    if (
+        args.master_port is not None
+        and args.node_id == 0
+        and not launched_by_torchrun()
+        and not port_is_free(args.master_port)
+    ):
+        raise UserError(
+            f"--master-port {args.master_port} is already in use on this machine (another run?); pick another port"
+        )
 
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
@@ -400,8 +531,9 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
 def run_process(local_rank: int, args, recipe) -> None:
     """train_process, each failure reported by the rank it happened in (cifar_wrn/errors.py)."""
     _, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)
-    run_reporting_failures(lambda: train_process(local_rank, args, recipe), rank,
-                           (dist.DistBackendError, dist.DistNetworkError))
+    run_reporting_failures(
+        lambda: train_process(local_rank, args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError)
+    )
 
 
 if __name__ == "__main__":
@@ -432,8 +564,9 @@ if __name__ == "__main__":
     if args.master_port is None:
         store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)  # R1.3
         args.master_port = store.port
-        os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(store.port),
-                          TORCHELASTIC_USE_AGENT_STORE="True")
+        os.environ.update(
+            MASTER_ADDR=args.master_addr, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True"
+        )
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)

@@ -8,6 +8,7 @@ device:   cifar_wrn.data.DeviceBatches behind DataLoader(batch_size=None, sample
           the whole uint8 set on the device, one batched crop/flip/normalise per step.
 Both produce normalised float batches on --device; the ratio is device / baseline from the same run.
 """
+
 import argparse
 import sys
 import time
@@ -43,9 +44,13 @@ def main():
     p.add_argument("--data-dir", default="data", help="CIFAR-10 folder; random images when it is missing")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
-                        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
+        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)",
+    )
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers for the baseline on GPU")
@@ -64,17 +69,29 @@ def main():
         source = "random uint8 images (no data dir)"
     per_epoch = len(labels) // args.batch_size
     if args.batches + 1 > per_epoch:  # +1: the warm-up batch; each timing is one pass of a fresh iterator
-        p.error(f"--batches {args.batches} plus 1 warm-up batch is more than the {per_epoch} batches of "
-                f"{args.batch_size} images in one epoch of {len(labels)}: use --batches {per_epoch - 1} or fewer")
+        p.error(
+            f"--batches {args.batches} plus 1 warm-up batch is more than the {per_epoch} batches of "
+            f"{args.batch_size} images in one epoch of {len(labels)}: use --batches {per_epoch - 1} or fewer"
+        )
     workers = args.workers if device.type == "cuda" else 0
-    baseline = DataLoader(CIFAR10(images, labels, augment=True), batch_size=args.batch_size, shuffle=True,
-                          drop_last=True, num_workers=workers, pin_memory=device.type == "cuda",
-                          persistent_workers=workers > 0)
+    baseline = DataLoader(
+        CIFAR10(images, labels, augment=True),
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+    )
     on_device = DeviceBatches(images, labels, device, augment=True, seed=0)
-    fast = DataLoader(on_device, batch_size=None,
-                      sampler=BatchSampler(RandomSampler(on_device), args.batch_size, drop_last=True))
-    print(f"# data pipeline: {source}; device {device}, {args.threads} threads, {args.clock} clock, batch {args.batch_size}, "
-          f"{args.batches} batches x {args.repeats} repeats (best of each)")
+    fast = DataLoader(
+        on_device, batch_size=None, sampler=BatchSampler(RandomSampler(on_device), args.batch_size, drop_last=True)
+    )
+    print(
+        f"# data pipeline: {source}; device {device}, {args.threads} threads, {args.clock} clock, "
+        f"batch {args.batch_size}, "
+        f"{args.batches} batches x {args.repeats} repeats (best of each)"
+    )
     rates = {"baseline": 0.0, "device": 0.0}
     for _ in range(args.repeats):  # interleaved, so that machine noise hits both alike
         rates["baseline"] = max(rates["baseline"], images_per_sec(baseline, device, args.batches))

@@ -9,6 +9,7 @@ images/sec of the last epoch (the first includes warm-up) as the best over round
 the reference run (`--recipe fast` as it is) from the same invocation. Validation accuracy is not
 compared here: these runs are far too short for that.
 """
+
 import argparse
 import subprocess
 import sys
@@ -49,18 +50,42 @@ def main():
         for _ in range(args.rounds):
             for name, extra in variants.items():
                 log = Path(tmp) / "log.jsonl"
-                cmd = [sys.executable, str(REPO / "raw_ddp.py"), "--num-gpus", str(args.num_gpus), "--device",
-                       args.device, "--data-dir", args.data_dir, "--recipe", "fast", "--train-subset",
-                       str(args.train_subset), "--val-subset", "100", "--batch-size", str(args.batch_size),
-                       "--epochs", str(args.epochs), "--target-accuracy", "1.0", "--model-width",
-                       str(args.model_width), "--log-json", str(log), *extra]
+                cmd = [
+                    sys.executable,
+                    str(REPO / "raw_ddp.py"),
+                    "--num-gpus",
+                    str(args.num_gpus),
+                    "--device",
+                    args.device,
+                    "--data-dir",
+                    args.data_dir,
+                    "--recipe",
+                    "fast",
+                    "--train-subset",
+                    str(args.train_subset),
+                    "--val-subset",
+                    "100",
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--epochs",
+                    str(args.epochs),
+                    "--target-accuracy",
+                    "1.0",
+                    "--model-width",
+                    str(args.model_width),
+                    "--log-json",
+                    str(log),
+                    *extra,
+                ]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 _, epochs = read_log(log)
                 best[name] = max(best[name], epochs[-1]["images_per_sec"])
                 print(f"  {name:30s} {epochs[-1]['images_per_sec']:10.1f} images/sec", flush=True)
     ref = best["fast (reference)"]
-    print(f"\n# {args.num_gpus} processes, device {args.device}, width {args.model_width}, batch {args.batch_size}"
-          f"/process, {args.train_subset} images, best of {args.rounds} rounds (last epoch)")
+    print(
+        f"\n# {args.num_gpus} processes, device {args.device}, width {args.model_width}, batch {args.batch_size}"
+        f"/process, {args.train_subset} images, best of {args.rounds} rounds (last epoch)"
+    )
     print("| variant | images/sec | vs fast |\n|---|---|---|")
     for name, rate in best.items():
         print(f"| {name} | {rate:.1f} | {rate / ref:.2f}x |")

@@ -16,6 +16,7 @@ raw weights and of the EMA, each without and with flip TTA, the numbers the run 
 epoch (the same as one of the columns when the checkpoint is an epoch's end: a check that this script
 evaluates what the run did), then one column per shift and per recalibration.
 """
+
 import argparse
 import copy
 import sys
@@ -26,14 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_wrn.data import DeviceBatches, load_split, recalibration_batches, tta_logits  # noqa: E402
 from cifar_wrn.ema import evaluated_network, recalibrate_bn  # noqa: E402
-from cifar_wrn.recipe import Recipe  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
+from cifar_wrn.recipe import Recipe  # noqa: E402
 
 
 def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
     """A WideResNet holding `state` (an AveragedModel's state has 'module.' before each key)."""
     model = WideResNet(width=width)
-    model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     return model.eval()
 
 
@@ -47,8 +48,9 @@ def recalibrated(eval_model, train_set, recipe: Recipe, world_size: int):
     shares = []
     for rank in range(world_size):
         share = copy.deepcopy(network)
-        recalibrate_bn(share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast,
-                       lambda stat: None)
+        recalibrate_bn(
+            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda stat: None
+        )
         shares.append(dict(share.named_buffers()))
     result = copy.deepcopy(network)
     for name, buffer in result.named_buffers():
@@ -79,18 +81,33 @@ def main():
     p.add_argument("--data-dir", default="data")
     p.add_argument("--val-subset", type=int, help="only the first N validation images (tests)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--translate", type=int, action="append", default=[], metavar="PIXELS",
-                   help="also the EMA (else raw) with flip TTA plus this shift (tta_translate); repeatable")
-    p.add_argument("--recalibrate", type=int, action="append", default=[], metavar="IMAGES",
-                   help="also the EMA (else raw) with flip TTA after bn_recalibration on this many training "
-                        "images, as the checkpoint's world size does it; repeatable")
+    p.add_argument(
+        "--translate",
+        type=int,
+        action="append",
+        default=[],
+        metavar="PIXELS",
+        help="also the EMA (else raw) with flip TTA plus this shift (tta_translate); repeatable",
+    )
+    p.add_argument(
+        "--recalibrate",
+        type=int,
+        action="append",
+        default=[],
+        metavar="IMAGES",
+        help="also the EMA (else raw) with flip TTA after bn_recalibration on this many training "
+        "images, as the checkpoint's world size does it; repeatable",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     val_images, val_labels = load_split(args.data_dir, train=False, subset=args.val_subset)
-    extra_names = ([f"EMA (or raw) + flip + shift {t}" for t in args.translate]
-                   + [f"EMA (or raw), BN recalibrated on {n} + flip" for n in args.recalibrate])
-    print("| checkpoint | where | raw | raw + flip TTA | EMA | EMA + flip TTA | logged |"
-          + "".join(f" {name} |" for name in extra_names))
+    extra_names = [f"EMA (or raw) + flip + shift {t}" for t in args.translate] + [
+        f"EMA (or raw), BN recalibrated on {n} + flip" for n in args.recalibrate
+    ]
+    print(
+        "| checkpoint | where | raw | raw + flip TTA | EMA | EMA + flip TTA | logged |"
+        + "".join(f" {name} |" for name in extra_names)
+    )
     print("|---|---|---|---|---|---|---|" + "---|" * len(extra_names))
     for path in args.checkpoints:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -102,31 +119,49 @@ def main():
             models = {k: m.to(memory_format=torch.channels_last) for k, m in models.items()}
         val = DeviceBatches(val_images, val_labels, "cpu", augment=False, channels_last=recipe["channels_last"])
         shifted = "ema" if "ema" in models else "raw"  # the shifted views only for the network the run scores
-        variants = {name: [(False, 0), (True, 0)] + ([(True, t) for t in args.translate] if name == shifted else [])
-                    for name in models}
-        result = {key: value for name, model in models.items() for key, value in evaluate_variants(
-            {name: model}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", variants[name]).items()}
-        cells = [f"{result[name, tta, 0][0]:.3f} / {result[name, tta, 0][1]:.4f}" if name in models else "no EMA"
-                 for name in ("raw", "ema") for tta in (False, True)]
+        variants = {
+            name: [(False, 0), (True, 0)] + ([(True, t) for t in args.translate] if name == shifted else [])
+            for name in models
+        }
+        result = {
+            key: value
+            for name, model in models.items()
+            for key, value in evaluate_variants(
+                {name: model}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", variants[name]
+            ).items()
+        }
+        cells = [
+            f"{result[name, tta, 0][0]:.3f} / {result[name, tta, 0][1]:.4f}" if name in models else "no EMA"
+            for name in ("raw", "ema")
+            for tta in (False, True)
+        ]
         extra = [f"{result[shifted, True, t][0]:.3f} / {result[shifted, True, t][1]:.4f}" for t in args.translate]
         if args.recalibrate:
-            train_set = DeviceBatches(*load_split(args.data_dir, train=True, subset=ckpt["train_images"]), "cpu",
-                                      augment=False)
+            train_set = DeviceBatches(
+                *load_split(args.data_dir, train=True, subset=ckpt["train_images"]), "cpu", augment=False
+            )
         for images in args.recalibrate:
-            network = recalibrated(models[shifted], train_set, Recipe(**{**recipe, "bn_recalibration": images}),
-                                   ckpt["world_size"])
-            loss, accuracy = evaluate_variants({"r": network}, val, recipe["eval_batch_size"],
-                                               recipe["precision"] == "bf16", [(True, 0)])["r", True, 0]
+            network = recalibrated(
+                models[shifted], train_set, Recipe(**{**recipe, "bn_recalibration": images}), ckpt["world_size"]
+            )
+            loss, accuracy = evaluate_variants(
+                {"r": network}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", [(True, 0)]
+            )["r", True, 0]
             extra.append(f"{loss:.3f} / {accuracy:.4f}")
         # A checkpoint at step 0 of epoch e + 1 is the end of epoch e; its history ends with that epoch.
         logged = ckpt["history"][-1] if ckpt["history"] else None
         at_epoch_end = logged is not None and ckpt["step"] == 0 and logged["epoch"] == ckpt["epoch"]
-        logged_cell = (f"{logged['val_loss']:.3f} / {logged['val_accuracy']:.4f}" if at_epoch_end
-                       else "(mid-epoch)")
-        where = (f"end of epoch {ckpt['epoch']}" if ckpt["step"] == 0
-                 else f"epoch {ckpt['epoch'] + 1}, step {ckpt['step']}")  # Progress.epoch: the next one, 0-based
-        print(f"| {path.name} | {where} | " + " | ".join(cells) + f" | {logged_cell} |"
-              + "".join(f" {cell} |" for cell in extra), flush=True)
+        logged_cell = f"{logged['val_loss']:.3f} / {logged['val_accuracy']:.4f}" if at_epoch_end else "(mid-epoch)"
+        where = (
+            f"end of epoch {ckpt['epoch']}" if ckpt["step"] == 0 else f"epoch {ckpt['epoch'] + 1}, step {ckpt['step']}"
+        )  # Progress.epoch: the next one, 0-based
+        print(
+            f"| {path.name} | {where} | "
+            + " | ".join(cells)
+            + f" | {logged_cell} |"
+            + "".join(f" {cell} |" for cell in extra),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

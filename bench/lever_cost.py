@@ -11,6 +11,7 @@ at --per-process images, with the forward + backward scaled linearly from --batc
 state it as one), and the time of a batch's flips, random and alternating. On a GPU,
 bench/train_step.py --levers measures whole steps directly.
 """
+
 import argparse
 import dataclasses
 import sys
@@ -25,8 +26,11 @@ from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.recipe import build_optimizer, load_recipe  # noqa: E402
 
 # Lookahead timed with a pull after every step (k = 1): its cost at k = 5 is a fifth of the difference.
-LEVERS = {"muon": dict(muon=True), "lookahead, k = 1": dict(lookahead_steps=1),
-          "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True)}
+LEVERS = {
+    "muon": dict(muon=True),
+    "lookahead, k = 1": dict(lookahead_steps=1),
+    "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True),
+}
 
 
 def best_seconds(work, repeats: int) -> float:
@@ -67,17 +71,23 @@ def main():
         optimizer_ms[name] = best_seconds(optimizer.step, args.repeats) * 1e3
     uint8 = torch.randint(0, 256, (args.per_process, 3, 32, 32), dtype=torch.uint8)
     flips, generator = alternating_flips(args.per_process, 0), torch.Generator().manual_seed(0)
-    flip_ms = [1e3 * best_seconds(lambda: random_crop_flip(uint8, generator, 0, mask), args.repeats)
-               for mask in (None, flips)]
+    flip_ms = [
+        1e3 * best_seconds(lambda m=mask: random_crop_flip(uint8, generator, 0, m), args.repeats)
+        for mask in (None, flips)
+    ]
     step = per_image * args.per_process * 1e3
-    print(f"# real WideResNet, CPU, {args.threads} thread(s), CPU clock; forward + backward {per_image * 1e3:.1f} ms "
-          f"per image (bf16, channels_last, batch {args.batch}), so ~{step:.0f} ms at {args.per_process} per process")
+    print(
+        f"# real WideResNet, CPU, {args.threads} thread(s), CPU clock; forward + backward {per_image * 1e3:.1f} ms "
+        f"per image (bf16, channels_last, batch {args.batch}), so ~{step:.0f} ms at {args.per_process} per process"
+    )
     print(f"| variant | optimizer step (ms) | step at {args.per_process} vs fast.yaml |\n|---|---|---|")
     base = step + optimizer_ms["fast.yaml (SGD)"]
     for name, ms in optimizer_ms.items():
         print(f"| {name} | {ms:.1f} | {(step + ms) / base:.3f}x |")
-    print(f"flips of a batch of {args.per_process} (uint8, crop_padding 0): random {flip_ms[0]:.2f} ms, "
-          f"alternating {flip_ms[1]:.2f} ms")
+    print(
+        f"flips of a batch of {args.per_process} (uint8, crop_padding 0): random {flip_ms[0]:.2f} ms, "
+        f"alternating {flip_ms[1]:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ absolute logit, until --steps or a non-finite loss. Where the loss stops falling
 norm takes off is the rate the warmup must not outrun. --clip-norm clips the gradient norm to X
 (torch.nn.utils.clip_grad_norm_) to see whether that removes the divergence.
 """
+
 import argparse
 import math
 import sys
@@ -50,17 +51,29 @@ def main():
     model = init_residual_bn(WideResNet(), recipe.residual_bn_init).to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, args.max_lr)
     if recipe.data_pipeline == "device":
-        data = DeviceBatches(images, labels, device, augment=recipe.augment, channels_last=recipe.channels_last,
-                             crop_padding=recipe.crop_padding)
+        data = DeviceBatches(
+            images,
+            labels,
+            device,
+            augment=recipe.augment,
+            channels_last=recipe.channels_last,
+            crop_padding=recipe.crop_padding,
+        )
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
-        loader = DataLoader(CIFAR10(images, labels, augment=recipe.augment, crop_padding=recipe.crop_padding),
-                            batch_size=batch_size, shuffle=True, drop_last=True)
+        loader = DataLoader(
+            CIFAR10(images, labels, augment=recipe.augment, crop_padding=recipe.crop_padding),
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=True,
+        )
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
 
-    print(f"# lr range: recipe {args.recipe} {args.set}, batch {batch_size}, lr up to {args.max_lr} over "
-          f"{args.steps} steps, clip {args.clip_norm}, {recipe.precision}, device {device}")
+    print(
+        f"# lr range: recipe {args.recipe} {args.set}, batch {batch_size}, lr up to {args.max_lr} over "
+        f"{args.steps} steps, clip {args.clip_norm}, {recipe.precision}, device {device}"
+    )
     print("| step | lr | loss | grad norm | max abs logit | s/step |\n|---|---|---|---|---|---|")
     batches = iter(loader)
     ratios = [group["lr"] / args.max_lr for group in optimizer.param_groups]  # bn_lr_scale, if any
@@ -78,8 +91,11 @@ def main():
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm or math.inf)
         optimizer.step()
-        print(f"| {step + 1} | {lr:.4f} | {loss.item():.4f} | {norm.item():.3g} | "
-              f"{logits.detach().abs().max().item():.3g} | {time.perf_counter() - t0:.1f} |", flush=True)
+        print(
+            f"| {step + 1} | {lr:.4f} | {loss.item():.4f} | {norm.item():.3g} | "
+            f"{logits.detach().abs().max().item():.3g} | {time.perf_counter() - t0:.1f} |",
+            flush=True,
+        )
         if not math.isfinite(loss.item()):
             print(f"non-finite loss at step {step + 1}, lr {lr:.4f}")
             return

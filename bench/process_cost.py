@@ -9,6 +9,7 @@ tests/lean_gc on PYTHONPATH, alternating, and reports per variant the median wal
 system of the run's processes, from the kernel's accounting of waited-for children) and the ratio of the two
 variants from the same invocation. Run it on a quiet machine; it takes about a minute per round.
 """
+
 import argparse
 import os
 import resource
@@ -34,9 +35,25 @@ def one_run(data_dir: Path, lean_gc: bool) -> tuple[float, float]:
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
     if lean_gc:
         env["PYTHONPATH"] = str(LEAN_GC)
-    cmd = [sys.executable, "raw_ddp.py", "--num-nodes", "1", "--node-id", "0", "--num-gpus", "2", *map(str, TINY),
-           "--data-dir", str(data_dir), "--train-subset", str(TRAIN_IMAGES), "--val-subset", str(VAL_IMAGES),
-           "--epochs", "2"]
+    cmd = [
+        sys.executable,
+        "raw_ddp.py",
+        "--num-nodes",
+        "1",
+        "--node-id",
+        "0",
+        "--num-gpus",
+        "2",
+        *map(str, TINY),
+        "--data-dir",
+        str(data_dir),
+        "--train-subset",
+        str(TRAIN_IMAGES),
+        "--val-subset",
+        str(VAL_IMAGES),
+        "--epochs",
+        "2",
+    ]
     cpu0, t0 = children_cpu(), time.monotonic()
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
     return time.monotonic() - t0, children_cpu() - cpu0
@@ -56,8 +73,10 @@ def main():
     for lean_gc, label in ((False, "plain Python"), (True, "tests/lean_gc")):
         wall, cpu = medians[lean_gc]
         print(f"{label:16s} median of {args.rounds}: {wall:5.1f} s wall, {cpu:5.1f} CPU-s")
-    print(f"ratio lean_gc / plain: wall {medians[True][0] / medians[False][0]:.2f}, "
-          f"CPU {medians[True][1] / medians[False][1]:.2f}")
+    print(
+        f"ratio lean_gc / plain: wall {medians[True][0] / medians[False][0]:.2f}, "
+        f"CPU {medians[True][1] / medians[False][1]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 
 Seeds first .. first + N - 1. The JSON logs are OUT/seed-K.jsonl (CPU) or gpu_sweep.sh's tarball (GPU).
 """
+
 import argparse
 import os
 import subprocess
@@ -33,10 +34,26 @@ def cpu_commands(recipe: str, n: int, first: int, sets: list[str], out, extra: l
     commands = []
     for seed in range(first, first + n):
         overrides = [a for kv in [*sets, f"seed={seed}"] for a in ("--set", kv)]
-        commands.append([sys.executable, "raw_ddp.py", "--num-nodes", "1", "--node-id", "0",
-                         *(["--num-gpus", "2"] if "--num-gpus" not in extra else []), *extra, "--recipe", recipe,
-                         "--checkpoint-dir", f"{out}/ckpt-seed-{seed}", "--auto-resume", *overrides,
-                         "--log-json", f"{out}/seed-{seed}.jsonl"])
+        commands.append(
+            [
+                sys.executable,
+                "raw_ddp.py",
+                "--num-nodes",
+                "1",
+                "--node-id",
+                "0",
+                *(["--num-gpus", "2"] if "--num-gpus" not in extra else []),
+                *extra,
+                "--recipe",
+                recipe,
+                "--checkpoint-dir",
+                f"{out}/ckpt-seed-{seed}",
+                "--auto-resume",
+                *overrides,
+                "--log-json",
+                f"{out}/seed-{seed}.jsonl",
+            ]
+        )
     return commands
 
 
@@ -63,14 +80,16 @@ def main(argv=None) -> int:
         return 0
     if args.gpu:
         if args.recipe != "fast" or extra:
-            print("error: --gpu runs fast.yaml through bench/gpu_sweep.sh: no --recipe, no trainer flags",
-                  file=sys.stderr)
+            print(
+                "error: --gpu runs fast.yaml through bench/gpu_sweep.sh: no --recipe, no trainer flags", file=sys.stderr
+            )
             return 2
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as levers:
             levers.write("\n".join(lines) + "\n")
         try:
-            return subprocess.run(["bash", str(REPO / "bench" / "gpu_sweep.sh"), args.gpu, levers.name],
-                                  cwd=REPO).returncode
+            return subprocess.run(
+                ["bash", str(REPO / "bench" / "gpu_sweep.sh"), args.gpu, levers.name], cwd=REPO
+            ).returncode
         finally:
             os.unlink(levers.name)
     out = Path(args.out).resolve()  # the runs start in the repository root
@@ -79,8 +98,10 @@ def main(argv=None) -> int:
         print("$ " + " ".join(command), flush=True)
         status = subprocess.run(command, cwd=REPO).returncode
         if status != 0:
-            print(f"error: {command[-1]}'s run ended with status {status}; rerun the same command to resume it",
-                  file=sys.stderr)
+            print(
+                f"error: {command[-1]}'s run ended with status {status}; rerun the same command to resume it",
+                file=sys.stderr,
+            )
             return status
     return seeds_summary.main([f"{out}/seed-{seed}.jsonl" for seed in range(args.first, args.first + args.seeds)])
 

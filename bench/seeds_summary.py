@@ -1,7 +1,8 @@
 """Seeds as one measurement: several runs of one recipe that differ only in `seed`, summarised per epoch.
 
     python bench/seeds_summary.py runs/seeds/*.jsonl          # or a folder of JSON logs
-    python bench/seeds_summary.py docs/runs/h200-sweep-2026-12-01/00_-.jsonl docs/runs/h200-sweep-2026-12-01/18_seed-1.jsonl
+    python bench/seeds_summary.py docs/runs/h200-sweep-2026-12-01/00_-.jsonl \
+        docs/runs/h200-sweep-2026-12-01/18_seed-1.jsonl
 
 Reads the trainers' JSON logs (a resumed run's log, with one header per start, is one run: cifar_wrn.runlog.read_log
 keeps the later record of a repeated epoch) and prints two markdown tables:
@@ -14,6 +15,7 @@ A note names any recipe key other than `seed` that differs between the runs (the
 recipe); a log that cannot be read is named and left out. --group summarises each recipe apart (a lever sweep
 at several seeds each). Bad arguments: one `error:` line, exit 2.
 """
+
 import argparse
 import json
 import math
@@ -38,7 +40,9 @@ def load_runs(paths) -> tuple[list[dict], list[str]]:
             notes.append(f"{path}: left out, not a readable JSON log ({type(exc).__name__}: {exc})")
             continue
         if "recipe" not in header or not epochs:
-            notes.append(f"{path}: left out, {'no header with a recipe' if 'recipe' not in header else 'no epoch finished'}")
+            notes.append(
+                f"{path}: left out, {'no header with a recipe' if 'recipe' not in header else 'no epoch finished'}"
+            )
             continue
         runs.append({"name": Path(path).stem, "recipe": header["recipe"], "epochs": epochs})
     return runs, notes
@@ -62,9 +66,18 @@ def per_epoch(runs) -> list[dict]:
     rows = []
     for epoch in sorted({e["epoch"] for r in runs for e in r["epochs"]}):
         values = [e["val_accuracy"] for r in runs for e in r["epochs"] if e["epoch"] == epoch]
-        rows.append({"epoch": epoch, "n": len(values), "mean": statistics.fmean(values), "min": min(values),
-                     "max": max(values), "std": statistics.stdev(values) if len(values) > 1 else math.nan,
-                     "met": sum(m is not None and m <= epoch for m in met), "runs": len(runs)})
+        rows.append(
+            {
+                "epoch": epoch,
+                "n": len(values),
+                "mean": statistics.fmean(values),
+                "min": min(values),
+                "max": max(values),
+                "std": statistics.stdev(values) if len(values) > 1 else math.nan,
+                "met": sum(m is not None and m <= epoch for m in met),
+                "runs": len(runs),
+            }
+        )
     return rows
 
 
@@ -75,21 +88,32 @@ def render(runs, notes) -> str:
     differ = differing_keys(runs)
     if differ:
         lines.append(f"note: the runs differ in {', '.join(differ)}, not only in seed: not seeds of one recipe")
-    lines += ["", f"{len(runs)} runs; criterion: validation accuracy >= target_accuracy, patience epochs in a row "
-              "(each log's recipe)", "",
-              "| epoch | runs with it | mean | min | max | std | met the criterion by this epoch |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"{len(runs)} runs; criterion: validation accuracy >= target_accuracy, patience epochs in a row "
+        "(each log's recipe)",
+        "",
+        "| epoch | runs with it | mean | min | max | std | met the criterion by this epoch |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in per_epoch(runs):
         std = "–" if math.isnan(row["std"]) else f"{row['std']:.4f}"
-        lines.append(f"| {row['epoch']} | {row['n']} | {row['mean']:.4f} | {row['min']:.4f} | {row['max']:.4f} | "
-                     f"{std} | {row['met']}/{row['runs']} |")
-    lines += ["", "| run | seed | validation accuracy per epoch | criterion met at | Cumulative Time there (s) |",
-              "|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['epoch']} | {row['n']} | {row['mean']:.4f} | {row['min']:.4f} | {row['max']:.4f} | "
+            f"{std} | {row['met']}/{row['runs']} |"
+        )
+    lines += [
+        "",
+        "| run | seed | validation accuracy per epoch | criterion met at | Cumulative Time there (s) |",
+        "|---|---|---|---|---|",
+    ]
     for run in sorted(runs, key=lambda r: (r["recipe"].get("seed", 0), r["name"])):
         hit = criterion_epoch(run)
         budget = run["recipe"].get("epochs")
         at = "not met" if hit is None else f"epoch {hit}" + (" (safety net)" if budget and hit > budget else "")
-        seconds = "–" if hit is None else f"{next(e for e in run['epochs'] if e['epoch'] == hit)['cumulative_time']:.2f}"
+        seconds = (
+            "–" if hit is None else f"{next(e for e in run['epochs'] if e['epoch'] == hit)['cumulative_time']:.2f}"
+        )
         accuracies = " / ".join(f"{e['val_accuracy']:.4f}" for e in run["epochs"])
         lines.append(f"| {run['name']} | {run['recipe'].get('seed')} | {accuracies} | {at} | {seconds} |")
     return "\n".join(lines)
@@ -107,8 +131,11 @@ def by_recipe(runs) -> list[tuple[str, list[dict]]]:
     named = []
     for group in ordered:
         recipe = group[0]["recipe"]
-        changes = [f"{k}={recipe.get(k)}" for k in sorted(set(recipe) | set(reference))
-                   if k not in IGNORED_KEYS and recipe.get(k) != reference.get(k)]
+        changes = [
+            f"{k}={recipe.get(k)}"
+            for k in sorted(set(recipe) | set(reference))
+            if k not in IGNORED_KEYS and recipe.get(k) != reference.get(k)
+        ]
         named.append((" ".join(changes) or "the reference recipe (the largest group)", group))
     return named
 
@@ -128,8 +155,11 @@ def log_paths(arguments) -> list[Path]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="+", help="JSON logs of the runs, or folders holding them (*.jsonl)")
-    p.add_argument("--group", action="store_true",
-                   help="one summary per recipe (runs that differ only in seed), the largest group first")
+    p.add_argument(
+        "--group",
+        action="store_true",
+        help="one summary per recipe (runs that differ only in seed), the largest group first",
+    )
     args = p.parse_args(argv)
     try:
         paths = log_paths(args.logs)

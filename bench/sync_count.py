@@ -12,6 +12,7 @@ phase and its source line. StepGuard's agreement every 10 steps and at an epoch'
 design (a stop signal must be seen); everything else is a candidate for removal.
 On the CPU (--device cpu) nothing is counted (sync debug mode is CUDA's): a smoke test of the script itself.
 """
+
 import argparse
 import collections
 import os
@@ -62,14 +63,25 @@ def training_step(recipe, device, model_width: int):
     torch.manual_seed(recipe.seed)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
     raw_model = init_residual_bn(WideResNet(width=model_width), recipe.residual_bn_init).to(
-        device, memory_format=memory_format)
+        device, memory_format=memory_format
+    )
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
-    model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
+    model = DDP(
+        raw_model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=recipe.ddp_bucket_view,
+        static_graph=recipe.ddp_static_graph,
+    )
     eval_model = raw_model if recipe.ema_decay == 0 else build_ema(raw_model, recipe.ema_decay)
     images = torch.randint(0, 256, (recipe.batch_size * 8, 3, 32, 32), dtype=torch.uint8)
-    data = DeviceBatches(images, torch.randint(0, 10, (len(images),)), device, augment=recipe.augment,
-                         channels_last=recipe.channels_last, crop_padding=recipe.crop_padding)
+    data = DeviceBatches(
+        images,
+        torch.randint(0, 10, (len(images),)),
+        device,
+        augment=recipe.augment,
+        channels_last=recipe.channels_last,
+        crop_padding=recipe.crop_padding,
+    )
     loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), recipe.batch_size, True))
     steps_per_epoch = len(loader)
     _, optimizer, scheduler, criterion = build_training(raw_model, recipe, recipe.batch_size, steps_per_epoch)
@@ -83,8 +95,13 @@ def training_step(recipe, device, model_width: int):
         except StopIteration:
             batches = iter(loader)
             images, labels = sync("data", lambda: next(batches))
-        images, labels = sync("data", lambda: (images.to(device, non_blocking=True, memory_format=memory_format),
-                                               labels.to(device, non_blocking=True)))
+        images, labels = sync(
+            "data",
+            lambda: (
+                images.to(device, non_blocking=True, memory_format=memory_format),
+                labels.to(device, non_blocking=True),
+            ),
+        )
         with torch.autocast(**autocast):
             loss = sync("forward", lambda: criterion(model(images), labels))
         sync("backward", lambda: (optimizer.zero_grad(set_to_none=True), loss.backward()))
@@ -94,15 +111,27 @@ def training_step(recipe, device, model_width: int):
         sync("scheduler", scheduler.step)
         if eval_model is not raw_model:
             sync("ema", lambda: eval_model.update_parameters(raw_model))
-        sync("guard", lambda: guard.check(loss, 0, count % steps_per_epoch, steps_per_epoch,
-                                          lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)))
+        sync(
+            "guard",
+            lambda: guard.check(
+                loss,
+                0,
+                count % steps_per_epoch,
+                steps_per_epoch,
+                lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
+            ),
+        )
         count += 1
+
     return step
 
 
 def report(sync: SyncCounter, steps: int, device) -> str:
-    lines = [f"# host synchronisations over {steps} steps ({device}; torch {torch.__version__})",
-             "| phase | per step | where (file:line, count) |", "|---|---|---|"]
+    lines = [
+        f"# host synchronisations over {steps} steps ({device}; torch {torch.__version__})",
+        "| phase | per step | where (file:line, count) |",
+        "|---|---|---|",
+    ]
     for phase in PHASES:
         where = ", ".join(f"{source} x{n}" for source, n in sync.sources[phase].most_common())
         lines.append(f"| {phase} | {sync.counts[phase] / steps:g} | {where or '–'} |")
@@ -133,9 +162,14 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1, timeout=timedelta(seconds=120),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=120),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         step = training_step(recipe, device, args.model_width)
         for _ in range(args.warmup):

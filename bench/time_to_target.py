@@ -11,6 +11,7 @@ With --baseline-epochs N it also runs N epochs of the baseline recipe, for its p
 --keep-log PATH keeps the JSON log (the baseline's beside it, as PATH.baseline.jsonl).
 Needs a GPU for meaningful numbers (a CPU run of the real model takes hours).
 """
+
 import argparse
 import subprocess
 import sys
@@ -35,9 +36,23 @@ def criterion_epoch(epochs, target, patience):
 def run(recipe: str, args, extra, keep_log=None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(keep_log) if keep_log else Path(tmp) / "log.jsonl"
-        cmd = [sys.executable, str(REPO / "raw_ddp.py"), "--num-nodes", "1", "--node-id", "0",
-               "--num-gpus", str(args.num_gpus), "--data-dir", args.data_dir, "--recipe", recipe,
-               "--log-json", str(log), *extra]
+        cmd = [
+            sys.executable,
+            str(REPO / "raw_ddp.py"),
+            "--num-nodes",
+            "1",
+            "--node-id",
+            "0",
+            "--num-gpus",
+            str(args.num_gpus),
+            "--data-dir",
+            args.data_dir,
+            "--recipe",
+            recipe,
+            "--log-json",
+            str(log),
+            *extra,
+        ]
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -51,8 +66,10 @@ def run(recipe: str, args, extra, keep_log=None) -> str:
         reached += " (safety net)"
     cumulative = f"{hit['cumulative_time']:.2f}" if hit else f"({epochs[-1]['cumulative_time']:.2f} for all)"
     per_epoch = sum(e["epoch_time"] for e in epochs) / len(epochs)
-    return (f"| {recipe} | {header['world_size']} | {len(epochs)} | {reached} | {cumulative} | {per_epoch:.2f} | "
-            f"{rate:.0f} | {epochs[-1]['val_accuracy']:.4f} | {wall:.1f} | {header['git_commit'][:12]} |")
+    return (
+        f"| {recipe} | {header['world_size']} | {len(epochs)} | {reached} | {cumulative} | {per_epoch:.2f} | "
+        f"{rate:.0f} | {epochs[-1]['val_accuracy']:.4f} | {wall:.1f} | {header['git_commit'][:12]} |"
+    )
 
 
 def main():
@@ -67,8 +84,10 @@ def main():
     if args.baseline_epochs:
         baseline_log = args.keep_log and str(Path(args.keep_log).with_suffix(".baseline.jsonl"))
         rows.append(run("baseline", args, [*extra, "--epochs", str(args.baseline_epochs)], baseline_log))
-    print("\n| recipe | processes | epochs run | criterion met | Cumulative Time to criterion (s) | "
-          "mean epoch time (s) | mean images/sec | final val acc | wall clock (s) | commit |")
+    print(
+        "\n| recipe | processes | epochs run | criterion met | Cumulative Time to criterion (s) | "
+        "mean epoch time (s) | mean images/sec | final val acc | wall clock (s) | commit |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

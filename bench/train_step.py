@@ -14,6 +14,7 @@ lever of docs/optimizations.md 14 on (Muon, Lookahead, the BatchNorm rates, alte
 against the fast recipe of the same run (column "vs fast"). --fp32 adds the fast recipe in fp32: whether
 this device's bf16 is fast at all (a CPU without AVX-512 has no bfloat16 kernels; raw_ddp.py warns of it).
 """
+
 import argparse
 import sys
 import time
@@ -25,15 +26,18 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dataclasses  # noqa: E402
+
 from cifar_wrn.data import CIFAR10, DeviceBatches, alternating_flips  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.recipe import build_optimizer, load_recipe, scaled_lr  # noqa: E402
-import dataclasses  # noqa: E402
 
-
-LEVERS = {"muon": dict(muon=True), "lookahead 5": dict(lookahead_steps=5),
-          "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True),
-          "alternating flips": dict(alternating_flip=True)}  # the bench augments every recipe, fast.yaml too
+LEVERS = {
+    "muon": dict(muon=True),
+    "lookahead 5": dict(lookahead_steps=5),
+    "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True),
+    "alternating flips": dict(alternating_flip=True),
+}  # the bench augments every recipe, fast.yaml too
 
 
 def setup(recipe, batch_size, device, images, labels):
@@ -46,9 +50,14 @@ def setup(recipe, batch_size, device, images, labels):
         data = DeviceBatches(images, labels, device, augment=True, channels_last=recipe.channels_last, flips=flips)
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
-        loader = DataLoader(CIFAR10(images, labels, augment=True), batch_size=batch_size, shuffle=True,
-                            drop_last=True, num_workers=4 if device.type == "cuda" else 0,
-                            pin_memory=device.type == "cuda")
+        loader = DataLoader(
+            CIFAR10(images, labels, augment=True),
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=4 if device.type == "cuda" else 0,
+            pin_memory=device.type == "cuda",
+        )
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     dtype = torch.bfloat16 if recipe.precision == "bf16" else None
     batches = iter(loader)
@@ -63,6 +72,7 @@ def setup(recipe, batch_size, device, images, labels):
         if recipe.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
         optimizer.step()
+
     return step
 
 
@@ -81,9 +91,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
-                        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
+        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
@@ -105,7 +119,9 @@ def main():
         bf16 = dataclasses.replace(base, precision="bf16")
         nhwc = dataclasses.replace(bf16, channels_last=True)
         recipes.update({"+ bf16": bf16, "+ channels_last": nhwc, f"+ batch {fast_batch}": nhwc})
-        batch.update({"+ bf16": base.batch_size, "+ channels_last": base.batch_size, f"+ batch {fast_batch}": fast_batch})
+        batch.update(
+            {"+ bf16": base.batch_size, "+ channels_last": base.batch_size, f"+ batch {fast_batch}": fast_batch}
+        )
     recipes["fast"], batch["fast"] = fast, fast_batch
     if args.fp32:
         recipes["fast in fp32"], batch["fast in fp32"] = dataclasses.replace(fast, precision="fp32"), fast_batch
@@ -115,9 +131,11 @@ def main():
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # for all: only the recipe differences are measured
     steps = {name: setup(recipes[name], batch[name], device, images, labels) for name in recipes}
-    print(f"# train step: real WideResNet, device {device}, {args.threads} threads, {args.clock} clock; baseline batch "
-          f"{batch['baseline']} fp32, fast batch {batch['fast']} {fast.precision} "
-          f"channels_last={fast.channels_last} pipeline={fast.data_pipeline}")
+    print(
+        f"# train step: real WideResNet, device {device}, {args.threads} threads, {args.clock} clock; baseline batch "
+        f"{batch['baseline']} fp32, fast batch {batch['fast']} {fast.precision} "
+        f"channels_last={fast.channels_last} pipeline={fast.data_pipeline}"
+    )
     for name in steps:
         for _ in range(args.warmup):
             steps[name]()
@@ -127,8 +145,10 @@ def main():
             best[name] = max(best[name], rate(steps[name], batch[name], args.steps, device))
     print("| variant | per-process batch | images/sec | vs baseline | vs fast |\n|---|---|---|---|---|")
     for name in steps:
-        print(f"| {name} | {batch[name]} | {best[name]:.1f} | {best[name] / best['baseline']:.2f}x | "
-              f"{best[name] / best['fast']:.3f}x |")
+        print(
+            f"| {name} | {batch[name]} | {best[name]:.1f} | {best[name] / best['baseline']:.2f}x | "
+            f"{best[name] / best['fast']:.3f}x |"
+        )
     print(f"ratio fast/baseline {best['fast'] / best['baseline']:.2f}x")
 
 

@@ -7,6 +7,7 @@ Checkpoints are read as data only (torch.load with weights_only=True: tensors, c
 The folder usually sits on shared storage that other accounts can write to, and a full unpickler would
 run whatever code a file put there asks for, in every rank of every requeued job.
 """
+
 import contextlib
 import os
 import pickle
@@ -105,8 +106,11 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
     if problem:
         if leftover:
             failure(_remove, leftover)
-        raise RunStopped(f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint "
-                         f"there is intact, and every rank stopped", 2)
+        raise RunStopped(
+            f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint "
+            f"there is intact, and every rank stopped",
+            2,
+        )
 
 
 def save_atomic(state: dict, path) -> None:
@@ -135,15 +139,27 @@ def save_atomic(state: dict, path) -> None:
 
 
 # What every checkpoint of either entry point holds besides the weights; checked before anything uses it.
-COMMON_KEYS = ("epoch", "step", "epoch_time_so_far", "cumulative_time", "history", "streak", "finished",
-               "recipe", "world_size", "model_width")
+COMMON_KEYS = (
+    "epoch",
+    "step",
+    "epoch_time_so_far",
+    "cumulative_time",
+    "history",
+    "streak",
+    "finished",
+    "recipe",
+    "world_size",
+    "model_width",
+)
 RAW_KEYS = COMMON_KEYS + ("model", "optimizer", "scheduler", "ema", "rng")
 ACCEL_KEYS = COMMON_KEYS + ("pipeline",)
 
 
 def _not_ours(path, why: str) -> str:
-    return (f"{path} is not a checkpoint this project wrote ({why}); it was not loaded (nothing in it ran) and is "
-            f"left as it is: move it away to start afresh, or resume from a checkpoint you trust")
+    return (
+        f"{path} is not a checkpoint this project wrote ({why}); it was not loaded (nothing in it ran) and is "
+        f"left as it is: move it away to start afresh, or resume from a checkpoint you trust"
+    )
 
 
 def _refusal(exc: Exception) -> str:
@@ -171,8 +187,10 @@ def load_data_only(path, required: tuple = ()) -> dict:
 def load_checkpoint(directory) -> dict:
     path = checkpoint_path(directory)
     if not path.is_file():
-        raise CheckpointError(f"--resume: no checkpoint at {path} (start without --resume, or use --auto-resume "
-                              f"to start fresh when there is none). The folder must be visible from every node.")
+        raise CheckpointError(
+            f"--resume: no checkpoint at {path} (start without --resume, or use --auto-resume "
+            f"to start fresh when there is none). The folder must be visible from every node."
+        )
     return load_data_only(path, RAW_KEYS)
 
 
@@ -206,16 +224,20 @@ def latest_checkpoint(directory) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CheckpointError(f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused): it must be a "
-                              f"file naming a state-<n> folder of {directory}") from None
+        raise CheckpointError(
+            f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused): it must be a "
+            f"file naming a state-<n> folder of {directory}"
+        ) from None
     with open(fd, "rb") as f:
         name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
     folder = os.path.join(directory, name or "")
     if name is None or not STATE_FOLDER.fullmatch(name) or os.path.islink(folder):
-        raise CheckpointError(f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
-                              f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> "
-                              f"folder of {directory}: refused, nothing outside that folder is read or changed. "
-                              f"Remove {LATEST} (or write a checkpoint folder's name into it)")
+        raise CheckpointError(
+            f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
+            f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> "
+            f"folder of {directory}: refused, nothing outside that folder is read or changed. "
+            f"Remove {LATEST} (or write a checkpoint folder's name into it)"
+        )
     return folder if os.path.isdir(folder) else None
 
 
@@ -302,8 +324,10 @@ def device_problem(saved_on: str, running_on: str) -> str | None:
     a CPU one's), and the arithmetic differs anyway: say so, rather than fail inside set_rng_state."""
     if saved_on == running_on:
         return None
-    return (f"it was written by a run on {saved_on}, this run is on {running_on}: its random states, and with them "
-            f"an exact resume, do not carry over (resume on {saved_on}, or start afresh in another folder)")
+    return (
+        f"it was written by a run on {saved_on}, this run is on {running_on}: its random states, and with them "
+        f"an exact resume, do not carry over (resume on {saved_on}, or start afresh in another folder)"
+    )
 
 
 def _loading(where, action) -> None:
@@ -339,6 +363,7 @@ def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) 
             torch.cuda.set_rng_state(rng["cuda"], device)
         if generator is not None:
             generator.set_state(rng["pipeline"])
+
     _loading("its part of the checkpoint", load)  # (the message gets "rank <rank>: " in front)
 
 
@@ -363,8 +388,9 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
         if not isinstance(rng, dict) or any(key not in rng for key in RANDOM_STATE_KEYS):
             raise CheckpointError(_not_ours(path, "it is not a random state"))
         # (a folder written before "device" was kept: one without the CUDA state was written without CUDA)
-        problem = device_problem(state.get("device", device_type if "torch_cuda_manual_seed" in rng else "cpu"),
-                                 device_type)
+        problem = device_problem(
+            state.get("device", device_type if "torch_cuda_manual_seed" in rng else "cpu"), device_type
+        )
         if problem:
             raise CheckpointError(problem)
         with _without_custom_files(folder) as readable:
@@ -373,6 +399,7 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
             ema.load_state_dict(state["ema"])
         if generator is not None:
             generator.set_state(state["pipeline"][accelerator.process_index])
+
     _loading(folder, load)
 
 
@@ -396,10 +423,17 @@ def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict |
     try:
         folder = latest_checkpoint(directory)
         if folder is None:
-            return None, None, required and (
-                f"--resume: no checkpoint in {directory} (no {LATEST} naming a state-<n> folder; start without "
-                f"--resume, or use --auto-resume to start fresh when there is none). The folder must be visible "
-                f"from every node.") or None
+            return (
+                None,
+                None,
+                required
+                and (
+                    f"--resume: no checkpoint in {directory} (no {LATEST} naming a state-<n> folder; start without "
+                    f"--resume, or use --auto-resume to start fresh when there is none). The folder must be visible "
+                    f"from every node."
+                )
+                or None,
+            )
         return folder, read_training_state(folder), None
     except CheckpointError as exc:
         return folder, None, str(exc)
@@ -425,13 +459,16 @@ def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
     views = [view for view, _ in seen]
     if any(view != views[0] for view in views):
         listed = "; ".join(f"rank {rank} sees {view}" for rank, view in enumerate(views))
-        return (f"the ranks do not see the same checkpoint: {listed}. Every node must see the same "
-                f"--checkpoint-dir (a shared folder); resume when they do, or start afresh in an empty folder")
+        return (
+            f"the ranks do not see the same checkpoint: {listed}. Every node must see the same "
+            f"--checkpoint-dir (a shared folder); resume when they do, or start afresh in an empty folder"
+        )
     return None
 
 
-def resume_problem(checkpoint: dict, recipe: dict, world_size: int, model_width: int,
-                   data: dict | None = None) -> str | None:
+def resume_problem(
+    checkpoint: dict, recipe: dict, world_size: int, model_width: int, data: dict | None = None
+) -> str | None:
     """Why this checkpoint cannot continue as this run, or None. Never train something else silently.
 
     `data`: this run's train_images, val_images and steps_per_epoch (checked after the world size, which
@@ -439,16 +476,20 @@ def resume_problem(checkpoint: dict, recipe: dict, world_size: int, model_width:
     mid-epoch resume's skip count refer to another epoch. (Checkpoints written before these were stored
     do not have them and are not checked.)"""
     if checkpoint["world_size"] != world_size:
-        return (f"the checkpoint was written by {checkpoint['world_size']} processes, this run has {world_size}: "
-                f"resume with the same --num-nodes x --num-gpus (each rank's random state and data shard "
-                f"depend on it)")
+        return (
+            f"the checkpoint was written by {checkpoint['world_size']} processes, this run has {world_size}: "
+            f"resume with the same --num-nodes x --num-gpus (each rank's random state and data shard "
+            f"depend on it)"
+        )
     if checkpoint["model_width"] != model_width:
         return f"the checkpoint holds a model of width {checkpoint['model_width']}, this run builds {model_width}"
     for key, value in (data or {}).items():
         if key in checkpoint and checkpoint[key] != value:
             flag = {"train_images": "--train-subset", "val_images": "--val-subset"}.get(key, "--batch-size")
-            return (f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
-                    f"resume with the same data ({flag}) and batch size")
+            return (
+                f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
+                f"resume with the same data ({flag}) and batch size"
+            )
     # A key newer than the checkpoint had its default when the checkpoint was written.
     defaults = as_dict(Recipe())
     old = {**{k: defaults[k] for k in recipe if k in defaults}, **checkpoint["recipe"]}
@@ -456,5 +497,6 @@ def resume_problem(checkpoint: dict, recipe: dict, world_size: int, model_width:
     changed = sorted(k for k in old if k not in allowed and old[k] != recipe.get(k))
     if changed:
         return "the recipe differs from the checkpoint's in " + ", ".join(
-            f"{k} ({old[k]!r} -> {recipe.get(k)!r})" for k in changed)
+            f"{k} ({old[k]!r} -> {recipe.get(k)!r})" for k in changed
+        )
     return None

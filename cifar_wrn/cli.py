@@ -3,6 +3,7 @@
 Launch flags differ between the two and stay in each entry point: raw_ddp.py has --num-nodes,
 --node-id, --num-gpus and the rendezvous (R1.1); accel_train.py leaves them to `accelerate launch`.
 """
+
 import argparse
 import os
 import socket
@@ -20,8 +21,13 @@ RECIPE_FLAGS = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience"
 def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
     p.add_argument("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one recipe key, e.g. --set momentum=0.9 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one recipe key, e.g. --set momentum=0.9 (repeatable)",
+    )
     p.add_argument("--epochs", type=int, help="maximum epochs (recipe: 40)")
     p.add_argument("--batch-size", type=int, help="images per process per step (recipe: 32)")
     p.add_argument("--base-lr", type=float, help="learning rate at the reference batch size (recipe: 0.01)")
@@ -29,26 +35,44 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
     p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
     p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
-    p.add_argument("--log-json", metavar="PATH",
-                   help="the JSON-lines log: a header, then one object per epoch (default: a new folder under "
-                        "$RUNS_DIR, default runs/; give it with --auto-resume so that a resumed run continues it)")
+    p.add_argument(
+        "--log-json",
+        metavar="PATH",
+        help="the JSON-lines log: a header, then one object per epoch (default: a new folder under "
+        "$RUNS_DIR, default runs/; give it with --auto-resume so that a resumed run continues it)",
+    )
     p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
     p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
-    p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="write a checkpoint into DIR after every epoch and on SIGUSR1/SIGTERM (a folder every "
-                        "node sees)")
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="write a checkpoint into DIR after every epoch and on SIGUSR1/SIGTERM (a folder every node sees)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
-    p.add_argument("--auto-resume", action="store_true",
-                   help="continue from DIR's checkpoint if it exists, else start fresh (for requeued jobs)")
-    p.add_argument("--profile", action="store_true",
-                   help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate")
+    p.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue from DIR's checkpoint if it exists, else start fresh (for requeued jobs)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate",
+    )
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
-    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="a live progress bar on stderr during each epoch and validation, from rank 0: auto (the "
-                        "default) when stderr is a terminal, never in a file or pipe; on: always; off: never")
-    p.add_argument("--model-width", type=int, default=COURSE_WIDTH,
-                   help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it "
-                        f"in a real run)")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a live progress bar on stderr during each epoch and validation, from rank 0: auto (the "
+        "default) when stderr is a terminal, never in a file or pipe; on: always; off: never",
+    )
+    p.add_argument(
+        "--model-width",
+        type=int,
+        default=COURSE_WIDTH,
+        help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it in a real run)",
+    )
 
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:
@@ -149,17 +173,21 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
     `seen`: the processes Accelerate counts; the rest describe its state, for the message."""
     started = launcher_world_size()
     if started is not None and started != seen:
-        return (f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
-                f"(distributed_type {distributed_type}, device {device_type}): each process would train alone. "
-                f"Without CUDA, a MULTI_GPU launch must be told to use the CPU: add --cpu after accel_train.py or "
-                f"set ACCELERATE_USE_CPU=1 (`use_cpu: true` in the config file does not reach the processes of a "
-                f"MULTI_GPU launch). See docs/accelerate.md, CPU traps.")
+        return (
+            f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
+            f"(distributed_type {distributed_type}, device {device_type}): each process would train alone. "
+            f"Without CUDA, a MULTI_GPU launch must be told to use the CPU: add --cpu after accel_train.py or "
+            f"set ACCELERATE_USE_CPU=1 (`use_cpu: true` in the config file does not reach the processes of a "
+            f"MULTI_GPU launch). See docs/accelerate.md, CPU traps."
+        )
     # accelerate launch's single-process launcher (distributed_type NO or MULTI_CPU, or --cpu) sets MASTER_PORT
     # only when it was asked for more than one process; it then starts one process all the same.
     if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):
-        return ("accelerate launch was asked for several processes but started only this one: `accelerate launch "
-                f"--cpu --num_processes N` and `distributed_type: MULTI_CPU` configs run a single process (accelerate "
-                f"{version}). For N CPU processes use `accelerate launch --config_file "
-                "accelerate_configs/two_cpus.yaml accel_train.py --cpu ...` (a MULTI_GPU config, --num_processes N). "
-                "If you meant one process and exported MASTER_PORT yourself, unset it.")
+        return (
+            "accelerate launch was asked for several processes but started only this one: `accelerate launch "
+            f"--cpu --num_processes N` and `distributed_type: MULTI_CPU` configs run a single process (accelerate "
+            f"{version}). For N CPU processes use `accelerate launch --config_file "
+            "accelerate_configs/two_cpus.yaml accel_train.py --cpu ...` (a MULTI_GPU config, --num_processes N). "
+            "If you meant one process and exported MASTER_PORT yourself, unset it."
+        )
     return None

@@ -9,6 +9,7 @@ copy in that layout loads, including re-encoded copies (a JPEG re-encoding, say)
 official release (torchvision.datasets.CIFAR10 would refuse it on its md5 check). The unpickler is restricted
 to what those files contain (BatchUnpickler): a file on shared storage cannot run code in the trainers.
 """
+
 import functools
 import itertools
 import os
@@ -90,12 +91,16 @@ def _allowed_globals() -> dict:
     """(module, name) -> object: numpy's array reconstruction, under the module names numpy 1.x and 2.x
     write (numpy.core / numpy._core; _frombuffer for pickle protocol 5), and the latin1 encoder."""
     import numpy
+
     try:
         from numpy._core import multiarray, numeric  # numpy >= 2
     except ImportError:
         from numpy.core import multiarray, numeric
-    allowed = {("numpy", "ndarray"): numpy.ndarray, ("numpy", "dtype"): numpy.dtype,
-               ("_codecs", "encode"): _latin1_encode}
+    allowed = {
+        ("numpy", "ndarray"): numpy.ndarray,
+        ("numpy", "dtype"): numpy.dtype,
+        ("_codecs", "encode"): _latin1_encode,
+    }
     for package in ("numpy.core", "numpy._core"):
         allowed[(f"{package}.multiarray", "_reconstruct")] = multiarray._reconstruct
         allowed[(f"{package}.numeric", "_frombuffer")] = numeric._frombuffer
@@ -124,12 +129,16 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     except FileNotFoundError:
         raise DataError(f"{path} is missing. " + how_to_provide(path.parent.parent)) from None
     except RefusedGlobal as exc:
-        raise DataError(f"{path} is not a CIFAR-10 batch file: it asks for {exc}, which the official files never "
-                        f"contain. It was not loaded (nothing in it ran); replace {path.parent} with a copy "
-                        f"from a source you trust") from None
+        raise DataError(
+            f"{path} is not a CIFAR-10 batch file: it asks for {exc}, which the official files never "
+            f"contain. It was not loaded (nothing in it ran); replace {path.parent} with a copy "
+            f"from a source you trust"
+        ) from None
     except Exception as exc:
-        raise DataError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or corrupt: "
-                        f"delete {path.parent} and provide the data again") from None
+        raise DataError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or corrupt: "
+            f"delete {path.parent} and provide the data again"
+        ) from None
     if not isinstance(batch, dict) or "data" not in batch or "labels" not in batch:
         raise DataError(f"{path} is not a CIFAR-10 batch (expected a dict with 'data' and 'labels')")
     data, labels = batch["data"], batch["labels"]
@@ -153,8 +162,13 @@ def _labels(path: Path, labels) -> torch.Tensor:
         values = torch.as_tensor(list(labels))
     except (TypeError, ValueError, RuntimeError, OverflowError):
         values = None
-    if values is None or values.numel() and (values.dim() != 1 or values.dtype.is_floating_point
-                                             or values.dtype.is_complex or values.dtype == torch.bool):
+    if (
+        values is None
+        or values.numel()
+        and (
+            values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
+        )
+    ):
         kinds = sorted({type(v).__name__ for v in labels}) if isinstance(labels, (list, tuple)) else []
         found = f"a {type(labels).__name__} of {', '.join(kinds)}" if kinds else type(labels).__name__
         raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {found}")
@@ -173,12 +187,16 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     split = "train" if train else "validation"
     if subset is None:
         if len(labels) != expected:
-            raise DataError(f"{folder}: the {split} split has {len(labels)} images, expected {expected}; "
-                            f"the copy is incomplete (or use --{'train' if train else 'val'}-subset)")
+            raise DataError(
+                f"{folder}: the {split} split has {len(labels)} images, expected {expected}; "
+                f"the copy is incomplete (or use --{'train' if train else 'val'}-subset)"
+            )
     else:
         if not 0 < subset <= len(labels):
-            raise DataError(f"--{'train' if train else 'val'}-subset {subset}: must be between 1 and "
-                            f"{len(labels)} (the {split} images in {folder})")
+            raise DataError(
+                f"--{'train' if train else 'val'}-subset {subset}: must be between 1 and "
+                f"{len(labels)} (the {split} images in {folder})"
+            )
         images, labels = images[:subset], labels[:subset]
     return images, labels
 
@@ -198,11 +216,22 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
     per rank: seed + rank); `dataloader` transforms one image at a time on the CPU (CIFAR10)."""
     if recipe.data_pipeline == "device":
         flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
-        return (DeviceBatches(*train_data, device, augment=recipe.augment, seed=recipe.seed + rank,
-                              channels_last=recipe.channels_last, crop_padding=recipe.crop_padding, flips=flips),
-                DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last))
-    return (CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
-            CIFAR10(*val_data, augment=False))
+        return (
+            DeviceBatches(
+                *train_data,
+                device,
+                augment=recipe.augment,
+                seed=recipe.seed + rank,
+                channels_last=recipe.channels_last,
+                crop_padding=recipe.crop_padding,
+                flips=flips,
+            ),
+            DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last),
+        )
+    return (
+        CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
+        CIFAR10(*val_data, augment=False),
+    )
 
 
 def loader_options(recipe, device, rank: int) -> dict:
@@ -214,33 +243,44 @@ def loader_options(recipe, device, rank: int) -> dict:
     draws once more, would train on with other dropout masks than the run it continues."""
     per_image_on_gpu = device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
-    return dict(num_workers=num_workers, pin_memory=per_image_on_gpu, persistent_workers=num_workers > 0,
-                worker_init_fn=ignore_stop_signal, generator=torch.Generator().manual_seed(recipe.seed + rank))
+    return dict(
+        num_workers=num_workers,
+        pin_memory=per_image_on_gpu,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_stop_signal,
+        generator=torch.Generator().manual_seed(recipe.seed + rank),
+    )
 
 
 def require_a_step(steps_per_epoch: int, train_images: int, world_size: int, batch_size: int) -> None:
     if steps_per_epoch == 0:
-        raise UserError(f"{train_images} training images over {world_size} processes give less than one "
-                        f"batch of {batch_size} per process: use more images or a smaller batch")
+        raise UserError(
+            f"{train_images} training images over {world_size} processes give less than one "
+            f"batch of {batch_size} per process: use more images or a smaller batch"
+        )
 
 
 @dataclass
 class Loaders:
     """What the epoch loop needs of the data; each entry point's build_data fills it in."""
+
     train_set: Dataset
     train_loader: DataLoader
     val_loader: DataLoader
     val_images: int
     steps_per_epoch: int
     train_sampler: DistributedSampler | None = None  # None: Accelerate's prepared loader reshuffles itself
-    train_batches: "SkipFirst | None" = None         # None: Accelerate skips batches with skip_first_batches
-    val_mask: torch.Tensor | None = None             # None: Accelerate's gather_for_metrics drops the padding
+    train_batches: "SkipFirst | None" = None  # None: Accelerate skips batches with skip_first_batches
+    val_mask: torch.Tensor | None = None  # None: Accelerate's gather_for_metrics drops the padding
     recalibration: list = field(default_factory=list)  # unaugmented training batches (recipe.bn_recalibration)
 
     def sizes(self) -> dict:
         """What a checkpoint records of the data, and a resume must match."""
-        return {"train_images": len(self.train_set), "val_images": self.val_images,
-                "steps_per_epoch": self.steps_per_epoch}
+        return {
+            "train_images": len(self.train_set),
+            "val_images": self.val_images,
+            "steps_per_epoch": self.steps_per_epoch,
+        }
 
 
 class CIFAR10(Dataset):
@@ -251,6 +291,7 @@ class CIFAR10(Dataset):
         # Imported here, not at the top: importing torchvision also imports torch._dynamo (about 3 s per process
         # on a CPU), which the launcher and the device pipeline never need.
         from torchvision.transforms import v2
+
         self.images, self.labels = images, labels
         crop = [v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []
         steps = crop + [v2.RandomHorizontalFlip()] if augment else []
@@ -286,6 +327,7 @@ def ignore_stop_signal(worker_id: int) -> None:
     step) or SIGTERM (which slurmstepd sends to every process of the step at scancel or the time limit)
     is for the training ranks, not for their loader workers, which would die of it."""
     import signal
+
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -319,10 +361,11 @@ def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
     without crops), then mirrored left-right if asked; same memory layout as `images`."""
     if shift != 0:
         t, (h, w) = abs(shift), images.shape[-2:]
-        layout = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) \
-            else torch.contiguous_format
+        layout = (
+            torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        )
         padded = torch.nn.functional.pad(images, (t, t, t, t), mode="reflect")
-        images = (padded[..., :h, :w] if shift > 0 else padded[..., 2 * t:, 2 * t:]).contiguous(memory_format=layout)
+        images = (padded[..., :h, :w] if shift > 0 else padded[..., 2 * t :, 2 * t :]).contiguous(memory_format=layout)
     return images.flip(3) if mirrored else images
 
 
@@ -340,8 +383,16 @@ def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int =
 
 
 @torch.no_grad()
-def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False,
-             tta_translate: int = 0, gather=None) -> torch.Tensor:
+def evaluate(
+    model,
+    loader,
+    mask: torch.Tensor | None,
+    device,
+    autocast_dtype=None,
+    tta_flip: bool = False,
+    tta_translate: int = 0,
+    gather=None,
+) -> torch.Tensor:
     """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
     With tta_flip / tta_translate, the logits are a mean over test-time views of each image (tta_logits).
 
@@ -364,15 +415,17 @@ def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=No
         if gather is not None:
             loss, correct = gather((loss, correct))
         else:
-            keep = mask[offset:offset + len(labels)].to(device)
+            keep = mask[offset : offset + len(labels)].to(device)
             offset += len(labels)
             loss, correct = loss[keep], correct[keep]
-        totals += torch.stack([loss.sum(), correct.sum(), torch.tensor(len(correct), dtype=torch.float64,
-                                                                       device=device)])
+        totals += torch.stack(
+            [loss.sum(), correct.sum(), torch.tensor(len(correct), dtype=torch.float64, device=device)]
+        )
     return totals
 
 
 # ----------------------------------------------------------------------------- on-device pipeline
+
 
 def alternating_flips(images: int, seed: int) -> torch.Tensor:
     """recipe.alternating_flip (airbench's rule): one fixed random bit per training image, the same on
@@ -381,8 +434,9 @@ def alternating_flips(images: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
 
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4,
-                     flip: torch.Tensor | None = None) -> torch.Tensor:
+def random_crop_flip(
+    images: torch.Tensor, generator: torch.Generator, pad: int = 4, flip: torch.Tensor | None = None
+) -> torch.Tensor:
     """Random crop with `pad` pixels of zero padding and a random horizontal flip, for a whole
     uint8 batch [B, C, H, W] at once: one pad, two gathers (rows, then columns), one select.
     No per-image Python; the same code runs on CPU and GPU tensors. pad 0: flips only (no crop work).
@@ -418,13 +472,15 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
     if recipe.bn_recalibration == 0:
         return []
     if images < world_size:
-        raise DataError(f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process "
-                        f"({world_size} processes)")
+        raise DataError(
+            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
+        )
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
     per_rank = images // world_size
     mine = order[:images][rank::world_size][:per_rank]
-    share = DeviceBatches(train_set.images[mine], train_set.labels[mine], device, augment=False,
-                          channels_last=recipe.channels_last)
+    share = DeviceBatches(
+        train_set.images[mine], train_set.labels[mine], device, augment=False, channels_last=recipe.channels_last
+    )
     size = min(batch_size, per_rank)
     return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
 
@@ -435,8 +491,17 @@ class DeviceBatches(Dataset):
     sampler=BatchSampler(DistributedSampler(...), batch_size, drop_last)), so the indices still come
     from the DistributedSampler and set_epoch still reshuffles; the DataLoader only iterates."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, device, augment: bool, seed: int = 0,
-                 channels_last: bool = False, crop_padding: int = 4, flips: torch.Tensor | None = None):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        device,
+        augment: bool,
+        seed: int = 0,
+        channels_last: bool = False,
+        crop_padding: int = 4,
+        flips: torch.Tensor | None = None,
+    ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
         # alternating_flips' bits, or None (random flips); SkipFirst sets `epoch` from the sampler each epoch

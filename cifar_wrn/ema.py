@@ -10,6 +10,7 @@ ExponentialMovingAverage with num_updates, and of timm's ModelEmaV2 warm-up):
 0.18 after the first update, 0.5 after 8, 0.9 after 80, 0.99 after 890: the average follows the
 weights closely while they move fast, and averages over more steps as training settles.
 """
+
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, update_bn

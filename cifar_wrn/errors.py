@@ -4,6 +4,7 @@ The ground floor of cifar_wrn/: it imports no other module of the package (tests
 that no module imports one that imports it back). What must happen before an error is printed (progress.py
 erases its bars) registers itself with before_report instead of being imported here.
 """
+
 import sys
 import traceback
 
@@ -53,8 +54,10 @@ def agreed_problem(problems: list) -> str | None:
             by_message.setdefault(problem, []).append(rank)
     if not by_message:
         return None
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
-                     for problem, ranks in by_message.items())
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
+        for problem, ranks in by_message.items()
+    )
 
 
 # What gloo and NCCL say when the process at the other end of a connection has gone away.
@@ -82,8 +85,12 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
         sys.exit(2)
     except Exception as exc:
         if isinstance(exc, lost_contact_types) or any(text in str(exc) for text in PEER_LOST):
-            print(f"error: rank {rank} lost contact with another process, which probably failed (see its error "
-                  f"above or in its node's log): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+            print(
+                f"error: rank {rank} lost contact with another process, which probably failed (see its error "
+                f"above or in its node's log): {str(exc).splitlines()[0]}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             print(f"error: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -92,5 +99,7 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
 def group_not_formed(who: str, where: str, world_size, timeout: float, exc: Exception, hint: str) -> UserError:
     """The error every rank reports when init_process_group times out or cannot reach node 0."""
     first = str(exc).splitlines()[0] if str(exc) else ""
-    return UserError(f"{who}the process group did not form at {where} with world size {world_size} within "
-                     f"{timeout:g} s: not every process joined. {hint} ({type(exc).__name__}: {first})")
+    return UserError(
+        f"{who}the process group did not form at {where} with world size {world_size} within "
+        f"{timeout:g} s: not every process joined. {hint} ({type(exc).__name__}: {first})"
+    )

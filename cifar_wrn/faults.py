@@ -8,6 +8,7 @@ real run, the loss function is returned as it is and nothing here runs again.
     CIFAR_WRN_TEST_RAISE_IN_RANK=r   rank r raises in its first forward pass: a rank that crashes (a bug,
                                      a driver error) while the others wait for it in a collective
 """
+
 import os
 
 
@@ -19,4 +20,5 @@ def with_test_faults(criterion, rank: int):
 
     def crashes(*args, **kwargs):
         raise RuntimeError(f"injected test fault in rank {rank}")
+
     return crashes

@@ -17,10 +17,11 @@ Each residual block is [Conv3x3 -> BN -> ReLU] -> Dropout(0.01) -> [Conv3x3 -> B
 added to its shortcut. With the default width (160) the network has 17,117,754 trainable
 parameters; `width` exists only so that tests can build tiny copies quickly.
 """
+
 import torch
 from torch import nn
 
-COURSE_WIDTH = 160          # widths are width, 2*width, 4*width = 160, 320, 640
+COURSE_WIDTH = 160  # widths are width, 2*width, 4*width = 160, 320, 640
 COURSE_PARAMETERS = 17_117_754
 DROPOUT = 0.01
 
@@ -50,9 +51,14 @@ class WideResNet(nn.Module):
         w1, w2, w3 = width, 2 * width, 4 * width
         self.stem = conv_bn_relu(3, 16)
         self.features = nn.Sequential(
-            ResidualBlock(16, w1), ResidualBlock(w1, w1), nn.MaxPool2d(2),
-            ResidualBlock(w1, w2), ResidualBlock(w2, w2), nn.MaxPool2d(2),
-            ResidualBlock(w2, w3), ResidualBlock(w3, w3),
+            ResidualBlock(16, w1),
+            ResidualBlock(w1, w1),
+            nn.MaxPool2d(2),
+            ResidualBlock(w1, w2),
+            ResidualBlock(w2, w2),
+            nn.MaxPool2d(2),
+            ResidualBlock(w2, w3),
+            ResidualBlock(w3, w3),
         )
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w3, num_classes))
 

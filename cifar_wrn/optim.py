@@ -21,6 +21,7 @@ holds them and a resumed run continues exactly.
 Every rank steps on the same averaged gradient and the same weights with the same arithmetic, so DDP's
 replicas stay identical (tests/test_levers.py checks it with 2 processes).
 """
+
 import torch
 from torch.optim.sgd import sgd
 
@@ -51,8 +52,9 @@ def orthogonalise(matrix: torch.Tensor, steps: int = NS_STEPS, dtype=torch.bfloa
 class MuonSGD(torch.optim.Optimizer):
     """SGD for the groups with muon False, Muon for those with muon True, Lookahead over all (module docstring)."""
 
-    def __init__(self, groups, lr: float, momentum: float, nesterov: bool, lookahead_steps: int = 0,
-                 lookahead_alpha: float = 0.5):
+    def __init__(
+        self, groups, lr: float, momentum: float, nesterov: bool, lookahead_steps: int = 0, lookahead_alpha: float = 0.5
+    ):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, muon=False, renormalize=False)
         super().__init__(groups, defaults)
         self.lookahead_steps, self.lookahead_alpha = lookahead_steps, lookahead_alpha
@@ -72,9 +74,17 @@ class MuonSGD(torch.optim.Optimizer):
                 self._muon_step(group, params)
                 continue
             buffers = [self.state[p].get("momentum_buffer") for p in params]
-            sgd(params, [p.grad for p in params], buffers, weight_decay=group["weight_decay"],
-                momentum=group["momentum"], lr=group["lr"], dampening=0.0, nesterov=group["nesterov"],
-                maximize=False)
+            sgd(
+                params,
+                [p.grad for p in params],
+                buffers,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=0.0,
+                nesterov=group["nesterov"],
+                maximize=False,
+            )
             for p, buffer in zip(params, buffers):  # sgd() creates the buffers on the first step
                 self.state[p]["momentum_buffer"] = buffer
         if self.lookahead_steps:

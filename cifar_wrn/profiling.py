@@ -6,6 +6,7 @@ synchronisation until the epoch ends); on the CPU they are perf_counter readings
 synchronous; DDP's backward returns only after its all-reduce has finished). When profiling is off
 the timer is disabled and each call returns at once.
 """
+
 import contextlib
 import time
 
@@ -61,15 +62,23 @@ class PhaseTimer:
 
 def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None, epoch: int) -> str:
     """Rank 0's per-epoch table: seconds and share of the epoch per phase, their sum, the all-reduce estimate."""
-    names = {"data": "data (waiting for the next batch)", "forward": "forward", "backward": "backward (+ overlapped all-reduce)",
-             "optimizer": "optimizer step", "other": "other (LR, EMA, step agreement)"}
+    names = {
+        "data": "data (waiting for the next batch)",
+        "forward": "forward",
+        "backward": "backward (+ overlapped all-reduce)",
+        "optimizer": "optimizer step",
+        "other": "other (LR, EMA, step agreement)",
+    }
     lines = [f"  Profile of epoch {epoch} (rank 0)          seconds   share"]
     for phase in PHASES:
         lines.append(f"    {names[phase]:36s}{profile[phase]:8.3f}  {100 * profile[phase] / epoch_time:5.1f}%")
     total = sum(profile[p] for p in PHASES)
     lines.append(f"    {'sum of the parts / epoch time':36s}{total:8.3f}  {100 * total / epoch_time:5.1f}%")
     if comm_estimate is not None:
-        lines.append(f"    {'all-reduce cost estimate (no_sync)':36s}{comm_estimate:8.3f}  {100 * comm_estimate / epoch_time:5.1f}%")
+        lines.append(
+            f"    {'all-reduce cost estimate (no_sync)':36s}{comm_estimate:8.3f}"
+            f"  {100 * comm_estimate / epoch_time:5.1f}%"
+        )
     return "\n".join(lines)
 
 
@@ -79,10 +88,11 @@ def start_tracer(trace_dir: str | None, device: torch.device, rank: int):
     if not trace_dir:
         return None
     tracer = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
+        activities=[torch.profiler.ProfilerActivity.CPU]
+        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
         schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir, worker_name=f"rank{rank}"))
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir, worker_name=f"rank{rank}"),
+    )
     tracer.start()
     return tracer
 

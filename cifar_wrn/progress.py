@@ -22,6 +22,7 @@ the trainers already wait for it: every CHECK_EVERY steps and at the epoch's las
 stop/non-finite agreement. In between, `step` only adds the loss to a sum on the device (asynchronous),
 so the bar adds no host-device synchronisation to a step.
 """
+
 import sys
 import weakref
 
@@ -34,8 +35,9 @@ from .resilience import CHECK_EVERY  # the steps where the trainers agree, and s
 # step, and a stray thread is unwelcome in processes that fork DataLoader workers and handle signals.
 tqdm.monitor_interval = 0
 
-TRAIN_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                "[{elapsed}<{remaining}, {img_rate} img/s{postfix}]")
+TRAIN_FORMAT = (
+    "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {img_rate} img/s{postfix}]"
+)
 
 _open_bars: "weakref.WeakSet[tqdm]" = weakref.WeakSet()
 DEFAULT_COLUMNS = 100  # where the terminal reports no width (a pty nobody sized, as `script -c` gives)
@@ -88,15 +90,28 @@ def _common(desc: str) -> dict:
 class EpochBar:
     """The training steps of one epoch. With show=False every method does nothing."""
 
-    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step: int = 0, images_per_step: int = 1,
-                 check_every: int = CHECK_EVERY):
+    def __init__(
+        self,
+        show: bool,
+        epoch: int,
+        steps_per_epoch: int,
+        start_step: int = 0,
+        images_per_step: int = 1,
+        check_every: int = CHECK_EVERY,
+    ):
         self.step_number = start_step  # steps of the epoch done, counting those a resumed run skips
         self.steps_per_epoch, self.check_every = steps_per_epoch, check_every
         self._loss_sum, self._losses = None, 0  # on the device: the losses since the last refresh
         self._bar = None
         if show:
-            self._bar = _TrainBar(total=steps_per_epoch, initial=start_step, unit="step", bar_format=TRAIN_FORMAT,
-                                  images_per_step=images_per_step, **_common(f"epoch {epoch}"))
+            self._bar = _TrainBar(
+                total=steps_per_epoch,
+                initial=start_step,
+                unit="step",
+                bar_format=TRAIN_FORMAT,
+                images_per_step=images_per_step,
+                **_common(f"epoch {epoch}"),
+            )
             _open_bars.add(self._bar)
 
     def step(self, loss) -> None:

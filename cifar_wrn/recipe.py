@@ -6,6 +6,7 @@ keys a file leaves out keep the defaults below. Command-line flags and `--set KE
 single keys after the file is read. Both entry points resolve the recipe the same way and write the
 resolved values into their JSON log.
 """
+
 import dataclasses
 import math
 from dataclasses import dataclass, fields
@@ -27,69 +28,73 @@ class RecipeError(UserError):
 @dataclass
 class Recipe:
     # --- length and stopping
-    epochs: int = 40                  # maximum number of training epochs
-    target_accuracy: float = 0.85     # validation accuracy (fraction) that counts as reached
-    patience: int = 2                 # stop after this many consecutive epochs at or above the target
-    extra_epochs: int = 0             # safety net: when the budget `epochs` ends with the target still reachable
-                                      # within this many more epochs (streak + extra >= patience), train on, each
-                                      # extra epoch at the budget's last epoch's learning rates (0 = off)
+    epochs: int = 40  # maximum number of training epochs
+    target_accuracy: float = 0.85  # validation accuracy (fraction) that counts as reached
+    patience: int = 2  # stop after this many consecutive epochs at or above the target
+    extra_epochs: int = 0  # safety net: when the budget `epochs` ends with the target still reachable
+    # within this many more epochs (streak + extra >= patience), train on, each
+    # extra epoch at the budget's last epoch's learning rates (0 = off)
     # --- batch and learning rate
-    batch_size: int = 32              # images per process per step (per_device_batch_size)
-    base_lr: float = 0.01             # learning rate at reference_batch_size images per step
-    lr_scaling: str = "linear"        # linear: lr = base_lr * global_batch_size / reference_batch_size; none
-    reference_batch_size: int = 32    # the global batch size at which base_lr was tuned
-    lr_schedule: str = "constant"     # constant | warmup_linear (linear warmup, then linear decay to 0)
-    warmup_epochs: float = 0.0        # epochs of linear warmup (warmup_linear only)
-    anneal_epochs: float = 0.0        # warmup_linear: the decay reaches 0 after this many epochs, or at the end
-                                      # of `epochs` if that comes first (0 = at the end); then lr 0
-    residual_bn_init: float = 1.0     # initial gamma of each residual body's last BatchNorm (1 = PyTorch's)
+    batch_size: int = 32  # images per process per step (per_device_batch_size)
+    base_lr: float = 0.01  # learning rate at reference_batch_size images per step
+    lr_scaling: str = "linear"  # linear: lr = base_lr * global_batch_size / reference_batch_size; none
+    reference_batch_size: int = 32  # the global batch size at which base_lr was tuned
+    lr_schedule: str = "constant"  # constant | warmup_linear (linear warmup, then linear decay to 0)
+    warmup_epochs: float = 0.0  # epochs of linear warmup (warmup_linear only)
+    anneal_epochs: float = 0.0  # warmup_linear: the decay reaches 0 after this many epochs, or at the end
+    # of `epochs` if that comes first (0 = at the end); then lr 0
+    residual_bn_init: float = 1.0  # initial gamma of each residual body's last BatchNorm (1 = PyTorch's)
     # --- optimizer and loss
-    momentum: float = 0.0             # SGD momentum (0 = plain SGD)
-    nesterov: bool = False            # Nesterov momentum (needs momentum > 0)
-    weight_decay: float = 0.0         # L2 penalty on conv/linear weights (never on BatchNorm or biases)
-    label_smoothing: float = 0.0      # CrossEntropyLoss label smoothing
-    grad_clip_norm: float = 0.0       # clip the averaged gradient's global L2 norm to this (0 = off)
-    bn_lr_scale: float = 1.0          # learning-rate multiplier for BatchNorm weights and all biases
-                                      # (the parameters without weight decay); 1 = the same rate as the rest
+    momentum: float = 0.0  # SGD momentum (0 = plain SGD)
+    nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
+    weight_decay: float = 0.0  # L2 penalty on conv/linear weights (never on BatchNorm or biases)
+    label_smoothing: float = 0.0  # CrossEntropyLoss label smoothing
+    grad_clip_norm: float = 0.0  # clip the averaged gradient's global L2 norm to this (0 = off)
+    bn_lr_scale: float = 1.0  # learning-rate multiplier for BatchNorm weights and all biases
+    # (the parameters without weight decay); 1 = the same rate as the rest
     # --- numerics and data
-    precision: str = "fp32"           # fp32 | bf16 (autocast; weights and optimizer stay fp32)
-    channels_last: bool = False       # NHWC memory layout for the model and its inputs
-    cudnn_benchmark: bool = False     # let cuDNN time its convolution algorithms once per shape (CUDA)
-    data_pipeline: str = "dataloader" # dataloader: per-image transforms in DataLoader workers;
-                                      # device: whole uint8 dataset on the device, batched augmentation
-    augment: bool = True              # random crop (crop_padding below) + horizontal flip for training
-    crop_padding: int = 4             # pixels of zero padding around the random crop (augment only; 0 = flips only)
-    num_workers: int = 4              # DataLoader worker processes per GPU process (CPU runs use 0)
-    eval_batch_size: int = 500        # images per process per validation step
-    seed: int = 0                     # model init, sampler shuffling; augmentation uses seed + rank
+    precision: str = "fp32"  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
+    channels_last: bool = False  # NHWC memory layout for the model and its inputs
+    cudnn_benchmark: bool = False  # let cuDNN time its convolution algorithms once per shape (CUDA)
+    data_pipeline: str = "dataloader"  # dataloader: per-image transforms in DataLoader workers;
+    # device: whole uint8 dataset on the device, batched augmentation
+    augment: bool = True  # random crop (crop_padding below) + horizontal flip for training
+    crop_padding: int = 4  # pixels of zero padding around the random crop (augment only; 0 = flips only)
+    num_workers: int = 4  # DataLoader worker processes per GPU process (CPU runs use 0)
+    eval_batch_size: int = 500  # images per process per validation step
+    seed: int = 0  # model init, sampler shuffling; augmentation uses seed + rank
     # --- optional, each measured in docs/optimizations.md (all off by default)
-    ema_decay: float = 0.0            # evaluate an exponential moving average of the weights (0 = off)
-    ddp_bucket_view: bool = False     # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets
-    ddp_static_graph: bool = False    # DDP static_graph: the same graph every step
-    grad_compression: str = "none"    # none | bf16: all-reduce gradients in bf16 (DDP comm hook)
-    sync_bn: bool = False             # SyncBatchNorm: batch statistics over all ranks (costs a collective per BN)
-    compile: bool = False             # torch.compile the model (compile time counts in epoch 1)
-    tta_flip: bool = False            # evaluation also sees flipped images (changes the metric: report apart)
-    tta_translate: int = 0            # evaluation also sees each image shifted this many pixels both ways
-                                      # (reflected edges; 0 = off; evaluation only, like tta_flip)
-    bn_recalibration: int = 0         # training images (all ranks) whose batch statistics replace the evaluated
-                                      # network's BatchNorm statistics before each validation (0 = off); in the clock;
-                                      # equal whole batches per rank (data.recalibration_batches says how many)
+    ema_decay: float = 0.0  # evaluate an exponential moving average of the weights (0 = off)
+    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets
+    ddp_static_graph: bool = False  # DDP static_graph: the same graph every step
+    grad_compression: str = "none"  # none | bf16: all-reduce gradients in bf16 (DDP comm hook)
+    sync_bn: bool = False  # SyncBatchNorm: batch statistics over all ranks (costs a collective per BN)
+    compile: bool = False  # torch.compile the model (compile time counts in epoch 1)
+    tta_flip: bool = False  # evaluation also sees flipped images (changes the metric: report apart)
+    tta_translate: int = 0  # evaluation also sees each image shifted this many pixels both ways
+    # (reflected edges; 0 = off; evaluation only, like tta_flip)
+    bn_recalibration: int = 0  # training images (all ranks) whose batch statistics replace the evaluated
+    # network's BatchNorm statistics before each validation (0 = off); in the clock;
+    # equal whole batches per rank (data.recalibration_batches says how many)
     # --- structural levers of issue 25 (docs/optimizations.md, 14; all off by default)
-    muon: bool = False                # Muon (orthogonalised Nesterov momentum) for the 4-D convolution kernels
-    muon_lr: float = 0.24             # the kernels' peak rate with muon (absolute: not scaled by the batch size)
-    muon_momentum: float = 0.6        # the kernels' momentum with muon (the other groups keep `momentum`)
-    bn_bias_lr_scale: float = 1.0     # BatchNorm biases learn at lr * bn_lr_scale * this (1 = like the other biases)
-    freeze_bn_scale: bool = False     # BatchNorm scales (gamma) stay at their initial value
-    lookahead_steps: int = 0          # Lookahead: every this many steps pull slow weights toward the live ones (0 = off)
-    lookahead_alpha: float = 0.5      # ... by this fraction, and restart the live weights from them
-    alternating_flip: bool = False    # augment: each image mirrored in every other epoch instead of at random
-                                      # (needs augment and data_pipeline: device)
+    muon: bool = False  # Muon (orthogonalised Nesterov momentum) for the 4-D convolution kernels
+    muon_lr: float = 0.24  # the kernels' peak rate with muon (absolute: not scaled by the batch size)
+    muon_momentum: float = 0.6  # the kernels' momentum with muon (the other groups keep `momentum`)
+    bn_bias_lr_scale: float = 1.0  # BatchNorm biases learn at lr * bn_lr_scale * this (1 = like the other biases)
+    freeze_bn_scale: bool = False  # BatchNorm scales (gamma) stay at their initial value
+    lookahead_steps: int = 0  # Lookahead: every this many steps pull slow weights toward the live ones (0 = off)
+    lookahead_alpha: float = 0.5  # ... by this fraction, and restart the live weights from them
+    alternating_flip: bool = False  # augment: each image mirrored in every other epoch instead of at random
+    # (needs augment and data_pipeline: device)
 
 
-CHOICES = {"lr_scaling": ("linear", "none"), "lr_schedule": ("constant", "warmup_linear"),
-           "precision": ("fp32", "bf16"), "data_pipeline": ("dataloader", "device"),
-           "grad_compression": ("none", "bf16")}
+CHOICES = {
+    "lr_scaling": ("linear", "none"),
+    "lr_schedule": ("constant", "warmup_linear"),
+    "precision": ("fp32", "bf16"),
+    "data_pipeline": ("dataloader", "device"),
+    "grad_compression": ("none", "bf16"),
+}
 FIELDS = {f.name: f for f in fields(Recipe)}
 
 
@@ -97,10 +102,12 @@ def _coerce(key: str, value, source: str):
     if key not in FIELDS:
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
     kind = FIELDS[key].type
-    ok = {int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          bool: isinstance(value, bool),
-          str: isinstance(value, str)}[kind]
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+        str: isinstance(value, str),
+    }[kind]
     if not ok:
         raise RecipeError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
     return float(value) if kind is float else value
@@ -122,8 +129,9 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
-        raise RecipeError(f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is a YAML file of "
-                          f"key: value lines") from None
+        raise RecipeError(
+            f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is a YAML file of key: value lines"
+        ) from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
@@ -168,15 +176,20 @@ def check_recipe(r: Recipe) -> None:
         if not 0.0 <= getattr(r, key) < 1.0:
             problems.append(f"{key} must be in [0, 1) (got {getattr(r, key)})")
     if r.lr_schedule == "warmup_linear" and r.warmup_epochs > r.epochs:
-        problems.append(f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
-                        f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
-                        f"and never decay; lower warmup_epochs or raise epochs")
+        problems.append(
+            f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
+            f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
+            f"and never decay; lower warmup_epochs or raise epochs"
+        )
     if r.lr_schedule == "warmup_linear" and 0 < r.anneal_epochs <= r.warmup_epochs:
-        problems.append(f"anneal_epochs {r.anneal_epochs:g} must be longer than warmup_epochs {r.warmup_epochs:g}: "
-                        f"the decay starts where the warmup ends")
+        problems.append(
+            f"anneal_epochs {r.anneal_epochs:g} must be longer than warmup_epochs {r.warmup_epochs:g}: "
+            f"the decay starts where the warmup ends"
+        )
     if not 0 < r.residual_bn_init <= 1:
-        problems.append(f"residual_bn_init must be in (0, 1] (got {r.residual_bn_init:g}; 0 never trains: the "
-                        f"body ends BN -> ReLU)")
+        problems.append(
+            f"residual_bn_init must be in (0, 1] (got {r.residual_bn_init:g}; 0 never trains: the body ends BN -> ReLU)"
+        )
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
@@ -200,8 +213,10 @@ def check_recipe(r: Recipe) -> None:
     if not 0.0 < r.lookahead_alpha <= 1.0:
         problems.append(f"lookahead_alpha must be in (0, 1] (got {r.lookahead_alpha})")
     if r.alternating_flip and not (r.augment and r.data_pipeline == "device"):
-        problems.append("alternating_flip needs augment: true and data_pipeline: device (the per-image pipeline's "
-                        "workers never see the epoch)")
+        problems.append(
+            "alternating_flip needs augment: true and data_pipeline: device (the per-image pipeline's "
+            "workers never see the epoch)"
+        )
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")
     for key, allowed in CHOICES.items():
@@ -226,12 +241,15 @@ def slow_bf16_warning(device_type: str, precision: str, native: bool | None = No
         native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if native:
         return None
-    return ("warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each training "
-            "step runs many times slower than in fp32; for a CPU run add --set precision=fp32 (a different "
-            "recipe: its numbers are not the shipped recipe's)")
+    return (
+        "warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each training "
+        "step runs many times slower than in fp32; for a CPU run add --set precision=fp32 (a different "
+        "recipe: its numbers are not the shipped recipe's)"
+    )
 
 
 # ----------------------------------------------------------------------------- optimisation
+
 
 def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
     """Linear scaling rule: k times more images per step take a k times larger step, so the
@@ -250,12 +268,20 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.
     special = lever_groups(model, recipe, lr)
     taken = {id(p) for group in special for p in group["params"]}
     trained = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
-    groups = [{"params": [p for p in trained if p.ndim > 1], "weight_decay": recipe.weight_decay},
-              {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale}]
+    groups = [
+        {"params": [p for p in trained if p.ndim > 1], "weight_decay": recipe.weight_decay},
+        {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale},
+    ]
     groups += special
     if recipe.muon or recipe.lookahead_steps:
-        return MuonSGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov,
-                       lookahead_steps=recipe.lookahead_steps, lookahead_alpha=recipe.lookahead_alpha)
+        return MuonSGD(
+            groups,
+            lr=lr,
+            momentum=recipe.momentum,
+            nesterov=recipe.nesterov,
+            lookahead_steps=recipe.lookahead_steps,
+            lookahead_alpha=recipe.lookahead_alpha,
+        )
     return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
 
 
@@ -267,16 +293,32 @@ def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict
     groups = []
     if recipe.muon:
         kernels = [p for p in model.parameters() if p.requires_grad and p.ndim == 4]
-        followed = {id(a.weight) for m in model.modules() if isinstance(m, torch.nn.Sequential)
-                    for a, b in zip(m, list(m)[1:]) if isinstance(a, torch.nn.Conv2d)
-                    and isinstance(b, torch.nn.modules.batchnorm._BatchNorm)}
+        followed = {
+            id(a.weight)
+            for m in model.modules()
+            if isinstance(m, torch.nn.Sequential)
+            for a, b in zip(m, list(m)[1:])
+            if isinstance(a, torch.nn.Conv2d) and isinstance(b, torch.nn.modules.batchnorm._BatchNorm)
+        }
         for renormalize in (True, False):
-            groups.append({"params": [p for p in kernels if (id(p) in followed) == renormalize], "muon": True,
-                           "renormalize": renormalize, "lr": recipe.muon_lr, "momentum": recipe.muon_momentum,
-                           "nesterov": True})
+            groups.append(
+                {
+                    "params": [p for p in kernels if (id(p) in followed) == renormalize],
+                    "muon": True,
+                    "renormalize": renormalize,
+                    "lr": recipe.muon_lr,
+                    "momentum": recipe.muon_momentum,
+                    "nesterov": True,
+                }
+            )
     if recipe.bn_bias_lr_scale != 1.0:
-        groups.append({"params": [m.bias for m in norms], "weight_decay": 0.0,
-                       "lr": lr * recipe.bn_lr_scale * recipe.bn_bias_lr_scale})
+        groups.append(
+            {
+                "params": [m.bias for m in norms],
+                "weight_decay": 0.0,
+                "lr": lr * recipe.bn_lr_scale * recipe.bn_bias_lr_scale,
+            }
+        )
     if recipe.freeze_bn_scale:
         groups.append({"params": [m.weight for m in norms], "weight_decay": 0.0, "lr": 0.0})
     return [group for group in groups if group["params"]]
@@ -319,8 +361,13 @@ def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size
 def check_supported(recipe: Recipe, supported: frozenset, trainer: str) -> None:
     """Refuse a recipe that sets a key `trainer` does not implement (rather than train without it)."""
     defaults = type(recipe)()
-    unsupported = [f"{f.name}={getattr(recipe, f.name)!r}" for f in fields(recipe)
-                   if f.name not in supported and getattr(recipe, f.name) != getattr(defaults, f.name)]
+    unsupported = [
+        f"{f.name}={getattr(recipe, f.name)!r}"
+        for f in fields(recipe)
+        if f.name not in supported and getattr(recipe, f.name) != getattr(defaults, f.name)
+    ]
     if unsupported:
-        raise RecipeError(f"recipe key(s) {', '.join(unsupported)} are not implemented by {trainer} (raw_ddp.py "
-                          f"only); use a recipe that leaves them at their defaults")
+        raise RecipeError(
+            f"recipe key(s) {', '.join(unsupported)} are not implemented by {trainer} (raw_ddp.py "
+            f"only); use a recipe that leaves them at their defaults"
+        )

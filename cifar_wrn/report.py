@@ -28,6 +28,7 @@ A log is one run, however often it was resumed: each `--auto-resume` appends a h
 and the headers that a trainer would have resumed as one run are read as its segments (epochs in order,
 Cumulative Time continuing). Anything else in one file (another run's header) is refused, naming the line.
 """
+
 import argparse
 import json
 import math
@@ -39,7 +40,7 @@ from types import SimpleNamespace
 
 from .errors import UserError
 
-AMDAHL_GPUS = (2, 4, 8)           # the GPU counts Amdahl's law is asked about
+AMDAHL_GPUS = (2, 4, 8)  # the GPU counts Amdahl's law is asked about
 HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
 EPOCH_FIELDS = ("epoch", "cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy")
 # Header entries that must agree for a speedup to compare like with like.
@@ -52,6 +53,7 @@ class LogError(UserError):
 
 
 # ============================================================================ the arithmetic
+
 
 def stopping_epoch(accuracies, target: float, patience: int) -> int | None:
     """Index (0-based) of the first epoch whose accuracy is >= target for the `patience`-th epoch in a
@@ -112,11 +114,13 @@ def global_rank(node_id: int, num_gpus: int, local_rank: int) -> int:
 
 # ============================================================================ reading logs
 
+
 @dataclass
 class Segment:
     """One stretch of a run in its log: from a header to the next. The first starts the run; each later one
     is a resume (`--auto-resume` after a preemption or a requeue), whose header carries `resumed_at`."""
-    line: int                     # the header's line number in the file
+
+    line: int  # the header's line number in the file
     header: dict
 
     @property
@@ -132,8 +136,8 @@ class Segment:
 @dataclass
 class Run:
     path: Path
-    header: dict                  # the first header: how the run started
-    epochs: list[dict]            # in epoch order, one per epoch (a resume's record replaces an older one)
+    header: dict  # the first header: how the run started
+    epochs: list[dict]  # in epoch order, one per epoch (a resume's record replaces an older one)
     label: str = ""
     segments: list[Segment] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the reader should know about the log itself
@@ -211,16 +215,25 @@ def _check_header(where: str, record: dict) -> None:
         if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
             raise LogError(f"{where}: header {key} must be a positive integer (got {record[key]!r})")
     if record["world_size"] != record["num_nodes"] * record["num_gpus"]:
-        raise LogError(f"{where}: header world_size {record['world_size']} is not num_nodes x num_gpus = "
-                       f"{record['num_nodes']} x {record['num_gpus']}")
+        raise LogError(
+            f"{where}: header world_size {record['world_size']} is not num_nodes x num_gpus = "
+            f"{record['num_nodes']} x {record['num_gpus']}"
+        )
     recipe = record.get("recipe")
-    if not isinstance(recipe, dict) or not _is_number(recipe.get("target_accuracy")) \
-            or not isinstance(recipe.get("patience"), int):
+    if (
+        not isinstance(recipe, dict)
+        or not _is_number(recipe.get("target_accuracy"))
+        or not isinstance(recipe.get("patience"), int)
+    ):
         raise LogError(f"{where}: the header has no recipe with target_accuracy and patience")
     at = record.get("resumed_at")
-    if at is not None and not (isinstance(at, dict) and isinstance(at.get("epoch"), int) and at["epoch"] >= 1
-                               and isinstance(at.get("step"), int)):
-        raise LogError(f"{where}: resumed_at must be null or {{\"epoch\": N >= 1, \"step\": M}} (got {at!r})")
+    if at is not None and not (
+        isinstance(at, dict)
+        and isinstance(at.get("epoch"), int)
+        and at["epoch"] >= 1
+        and isinstance(at.get("step"), int)
+    ):
+        raise LogError(f'{where}: resumed_at must be null or {{"epoch": N >= 1, "step": M}} (got {at!r})')
 
 
 def other_run(first: dict, later: dict) -> str | None:
@@ -229,11 +242,21 @@ def other_run(first: dict, later: dict) -> str | None:
     data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
     trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
     from .checkpoint import resume_problem
+
     data = ("train_images", "val_images", "steps_per_epoch")
-    started = {"world_size": first["world_size"], "model_width": first.get("model_width"),
-               "recipe": full_recipe(first["recipe"]), **{k: first[k] for k in data if k in first}}
-    return resume_problem(started, full_recipe(later["recipe"]), later["world_size"], later.get("model_width"),
-                          {k: later[k] for k in data if k in later and k in first})
+    started = {
+        "world_size": first["world_size"],
+        "model_width": first.get("model_width"),
+        "recipe": full_recipe(first["recipe"]),
+        **{k: first[k] for k in data if k in first},
+    }
+    return resume_problem(
+        started,
+        full_recipe(later["recipe"]),
+        later["world_size"],
+        later.get("model_width"),
+        {k: later[k] for k in data if k in later and k in first},
+    )
 
 
 RUN_LOG = "log.jsonl"  # the trainers' log in a run folder: runs/<name>/log.jsonl
@@ -264,12 +287,16 @@ def read_run(path) -> Run:
             if segments:
                 start = segments[0]
                 if record.get("resumed_at") is None:
-                    raise LogError(f"{where}: a second header without resumed_at: a new run starts here, not a "
-                                   f"resume of the run of line {start.line}; one run per file")
+                    raise LogError(
+                        f"{where}: a second header without resumed_at: a new run starts here, not a "
+                        f"resume of the run of line {start.line}; one run per file"
+                    )
                 problem = other_run(start.header, record)
                 if problem:
-                    raise LogError(f"{where}: this header is not a resume of the run of line {start.line} "
-                                   f"({problem}); one run per file")
+                    raise LogError(
+                        f"{where}: this header is not a resume of the run of line {start.line} "
+                        f"({problem}); one run per file"
+                    )
             segment = Segment(number, record)
             if segment.resumed_at is not None:
                 resumed = segment.resumed_at["epoch"]
@@ -277,12 +304,16 @@ def read_run(path) -> Run:
                 for e in redone:  # logged, then lost: the checkpoint resumed from was older than them
                     del epochs[e]
                 if redone:
-                    notes.append(f"line {number} resumes at {segment.where()}, before epoch(s) "
-                                 f"{', '.join(map(str, redone))} already logged: those were trained again; the "
-                                 f"table shows the later records")
+                    notes.append(
+                        f"line {number} resumes at {segment.where()}, before epoch(s) "
+                        f"{', '.join(map(str, redone))} already logged: those were trained again; the "
+                        f"table shows the later records"
+                    )
                 if resumed > max(epochs, default=0) + 1:
-                    notes.append(f"line {number} resumes at {segment.where()}, but this file holds no record of "
-                                 f"epoch(s) {max(epochs, default=0) + 1}..{resumed - 1}")
+                    notes.append(
+                        f"line {number} resumes at {segment.where()}, but this file holds no record of "
+                        f"epoch(s) {max(epochs, default=0) + 1}..{resumed - 1}"
+                    )
             segments.append(segment)
         elif record.get("kind") == "epoch":
             if not segments:
@@ -291,11 +322,14 @@ def read_run(path) -> Run:
             if bad:
                 raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
             if not isinstance(record["epoch"], int) or record["epoch"] < 1:
-                raise LogError(f"{where}: the epoch record's epoch must be a whole number >= 1 (got "
-                               f"{record['epoch']!r})")
+                raise LogError(
+                    f"{where}: the epoch record's epoch must be a whole number >= 1 (got {record['epoch']!r})"
+                )
             if epochs and record["epoch"] <= max(epochs):
-                raise LogError(f"{where}: epoch {record['epoch']} after epoch {max(epochs)} with no resume "
-                               f"between them (two runs appended to one file?); one run per file")
+                raise LogError(
+                    f"{where}: epoch {record['epoch']} after epoch {max(epochs)} with no resume "
+                    f"between them (two runs appended to one file?); one run per file"
+                )
             epochs[record["epoch"]] = dict(record, log_line=number)
         # other kinds of record (none today) are left alone: a newer trainer may add some
     if not segments:
@@ -320,10 +354,11 @@ def label_runs(runs: list[Run]) -> None:
 
 # ============================================================================ scaling
 
+
 @dataclass
 class Scaling:
-    rows: list[dict]              # one per run, in the order of the table
-    basis: str | None             # "time" (Cumulative Time to target), "throughput" (images/sec), None
+    rows: list[dict]  # one per run, in the order of the table
+    basis: str | None  # "time" (Cumulative Time to target), "throughput" (images/sec), None
     baseline: Run | None
     notes: list[str]
 
@@ -334,22 +369,38 @@ def scaling(runs: list[Run]) -> Scaling:
     no speedup, efficiency, Karp-Flatt or Amdahl, and a note naming what differs. The basis is Cumulative Time
     to target when every compared run reached it, else mean images/sec (so all rows share one basis)."""
     ordered = sorted(runs, key=lambda r: (r.world_size, r.num_nodes))  # stable: ties keep the given order
-    rows = [{"run": r, "p": r.world_size, "time_to_target": time_to_target(r.epochs, r.target, r.patience),
-             "images_per_sec": mean_images_per_sec(r.epochs),
-             "final_accuracy": r.epochs[-1]["val_accuracy"] if r.epochs else None} for r in ordered]
+    rows = [
+        {
+            "run": r,
+            "p": r.world_size,
+            "time_to_target": time_to_target(r.epochs, r.target, r.patience),
+            "images_per_sec": mean_images_per_sec(r.epochs),
+            "final_accuracy": r.epochs[-1]["val_accuracy"] if r.epochs else None,
+        }
+        for r in ordered
+    ]
     singles = [r for r in ordered if r.world_size == 1]
     if not singles:
-        return Scaling(rows, None, None, ["There is no 1-process run (world size 1) among these logs, so no "
-                                          "speedup, efficiency, Karp-Flatt or Amdahl columns: add one."])
+        return Scaling(
+            rows,
+            None,
+            None,
+            [
+                "There is no 1-process run (world size 1) among these logs, so no "
+                "speedup, efficiency, Karp-Flatt or Amdahl columns: add one."
+            ],
+        )
     notes = []
     for row in rows:
         if row["p"] > 1:
             row["reference"] = next((s for s in singles if not differences([s, row["run"]])), None)
             if row["reference"] is None:
-                notes.append(f"**`{row['run'].label}` is not compared with a 1-process run**: against "
-                             f"`{singles[0].label}` it differs in {'; '.join(differences([singles[0], row['run']]))}"
-                             f", so no speedup, efficiency, Karp-Flatt or Amdahl is computed for it. Run the same "
-                             f"recipe on the same data and device with 1 process.")
+                notes.append(
+                    f"**`{row['run'].label}` is not compared with a 1-process run**: against "
+                    f"`{singles[0].label}` it differs in {'; '.join(differences([singles[0], row['run']]))}"
+                    f", so no speedup, efficiency, Karp-Flatt or Amdahl is computed for it. Run the same "
+                    f"recipe on the same data and device with 1 process."
+                )
     paired = [row for row in rows if row.get("reference")]
     references = {id(row["reference"]) for row in paired}
     for row in rows:
@@ -372,16 +423,20 @@ def scaling(runs: list[Run]) -> Scaling:
         if row["p"] == 1:
             continue
         if s < 1:
-            notes.append(f"**Flag: `{row['run'].label}` is slower than `{row['reference'].label}`** (speedup "
-                         f"{s:.3f} < 1): {row['p']} processes trained fewer images per second than one.")
+            notes.append(
+                f"**Flag: `{row['run'].label}` is slower than `{row['reference'].label}`** (speedup "
+                f"{s:.3f} < 1): {row['p']} processes trained fewer images per second than one."
+            )
         if s > 0:
             row["karp_flatt"] = e = karp_flatt(s, row["p"])
             if 0 <= e <= 1:
                 row["amdahl"] = {n: amdahl_speedup(e, n) for n in AMDAHL_GPUS}
             else:
-                notes.append(f"**Flag: `{row['run'].label}`'s serial fraction e = {e:.4f} is outside [0, 1]** "
-                             + ("(a speedup above p: superlinear, or noise)" if e < 0 else "(a speedup below 1)")
-                             + ": it is no serial fraction Amdahl's law can use, so no Amdahl predictions.")
+                notes.append(
+                    f"**Flag: `{row['run'].label}`'s serial fraction e = {e:.4f} is outside [0, 1]** "
+                    + ("(a speedup above p: superlinear, or noise)" if e < 0 else "(a speedup below 1)")
+                    + ": it is no serial fraction Amdahl's law can use, so no Amdahl predictions."
+                )
     return Scaling(rows, basis, singles[0], notes)
 
 
@@ -389,6 +444,7 @@ def full_recipe(recipe: dict) -> dict:
     """A header's recipe with the keys it lacks at their defaults: a key newer than the trainer that wrote
     the log had its default then (new recipe keys default to the old behaviour)."""
     from .recipe import Recipe, as_dict  # torch, a dependency of the project anyway
+
     return {**as_dict(Recipe()), **recipe}
 
 
@@ -396,8 +452,10 @@ def differences(runs: list[Run]) -> list[str]:
     """Header entries (COMPARABLE) that are not the same in every run."""
     out = []
     for key in COMPARABLE:
-        values = [full_recipe(r.header[key]) if key == "recipe" and isinstance(r.header.get(key), dict)
-                  else r.header.get(key) for r in runs]
+        values = [
+            full_recipe(r.header[key]) if key == "recipe" and isinstance(r.header.get(key), dict) else r.header.get(key)
+            for r in runs
+        ]
         if all(v == values[0] for v in values):
             continue
         if key == "recipe" and all(isinstance(v, dict) for v in values):
@@ -409,6 +467,7 @@ def differences(runs: list[Run]) -> list[str]:
 
 
 # ============================================================================ text
+
 
 def fmt(value, digits: int = 3, missing: str = "–") -> str:
     if value is None:
@@ -432,11 +491,11 @@ def topology_text(num_nodes: int, num_gpus: int, backend: str, device: str) -> s
     """Nodes, the processes in each with local and global rank, and the ring 0 -> 1 -> ... -> 0."""
     world = num_nodes * num_gpus
     slot = "cuda:{l}" if device == "cuda" else "cpu"
-    lines = [f"{num_nodes} node(s) x {num_gpus} process(es) per node = world size {world} "
-             f"({backend} on {device})"]
+    lines = [f"{num_nodes} node(s) x {num_gpus} process(es) per node = world size {world} ({backend} on {device})"]
     for node in range(num_nodes):
-        cells = [f"[{slot.format(l=l)} local_rank {l} = rank {global_rank(node, num_gpus, l)}]"
-                 for l in range(num_gpus)]
+        cells = [
+            f"[{slot.format(l=lr)} local_rank {lr} = rank {global_rank(node, num_gpus, lr)}]" for lr in range(num_gpus)
+        ]
         lines.append(f"node {node}: " + " ".join(cells))
     if world == 1:
         lines.append("one process: no all-reduce")
@@ -446,8 +505,10 @@ def topology_text(num_nodes: int, num_gpus: int, backend: str, device: str) -> s
             nxt = (rank + 1) % world
             ring += (" => " if rank // num_gpus != nxt // num_gpus else " -> ") + str(nxt)
         lines.append(f"ring: {ring}")
-        lines.append("(-> within a node, => between nodes; a simple picture of a ring all-reduce: "
-                     f"{backend} picks its own rings/trees)")
+        lines.append(
+            "(-> within a node, => between nodes; a simple picture of a ring all-reduce: "
+            f"{backend} picks its own rings/trees)"
+        )
     return "\n".join(lines)
 
 
@@ -474,13 +535,29 @@ def _profile_keys(epochs: list[dict]) -> list[str]:
 def header_facts(run: Run) -> list[list]:
     h = run.header
     per_node = "GPUs per node" if h["device"] == "cuda" else "processes per node (CPU)"
-    facts = [["world size (processes)", h["world_size"]], ["nodes", h["num_nodes"]], [per_node, h["num_gpus"]],
-             ["backend", h["backend"]], ["device", h["device"]], ["commit", h.get("git_commit", "not logged")]]
-    optional = [("trainer", "trainer"), ("launcher", "launcher"), ("per-process batch", "per_device_batch_size"),
-                ("global batch", "global_batch_size"), ("learning rate", "lr"), ("steps per epoch", "steps_per_epoch"),
-                ("training images", "train_images"), ("validation images", "val_images"),
-                ("model width", "model_width"), ("model parameters", "model_parameters"),
-                ("torch", "torch_version"), ("host (rank 0)", "hostname"), ("started", "started_at")]
+    facts = [
+        ["world size (processes)", h["world_size"]],
+        ["nodes", h["num_nodes"]],
+        [per_node, h["num_gpus"]],
+        ["backend", h["backend"]],
+        ["device", h["device"]],
+        ["commit", h.get("git_commit", "not logged")],
+    ]
+    optional = [
+        ("trainer", "trainer"),
+        ("launcher", "launcher"),
+        ("per-process batch", "per_device_batch_size"),
+        ("global batch", "global_batch_size"),
+        ("learning rate", "lr"),
+        ("steps per epoch", "steps_per_epoch"),
+        ("training images", "train_images"),
+        ("validation images", "val_images"),
+        ("model width", "model_width"),
+        ("model parameters", "model_parameters"),
+        ("torch", "torch_version"),
+        ("host (rank 0)", "hostname"),
+        ("started", "started_at"),
+    ]
     facts += [[name, h[key]] for name, key in optional if key in h]
     facts.append(["stopping rule", f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"])
     if run.resumes:
@@ -498,10 +575,13 @@ def resume_text(run: Run) -> str:
     """Where the run was resumed, '' when it never was: one log, one run, however many segments."""
     if not run.resumes:
         return ""
-    each = [f"at {s.where()} (line {s.line}" + (f", started {s.header['started_at']}" if s.header.get("started_at")
-                                                 else "") + (f", commit {short_commit(s.header['git_commit'])}"
-                                                             if s.header.get("git_commit") else "") + ")"
-            for s in run.resumes]
+    each = [
+        f"at {s.where()} (line {s.line}"
+        + (f", started {s.header['started_at']}" if s.header.get("started_at") else "")
+        + (f", commit {short_commit(s.header['git_commit'])}" if s.header.get("git_commit") else "")
+        + ")"
+        for s in run.resumes
+    ]
     times = "once" if len(each) == 1 else f"{len(each)} times"
     return f"{times}: " + "; ".join(each) + "; Cumulative Time continues across the resumes (training time only)"
 
@@ -511,39 +591,76 @@ def epoch_table(run: Run) -> str:
         return "_No epoch records: the run ended before its first epoch finished._"
     stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
     parts = _profile_keys(run.epochs)
-    head = ["Epoch", "Cumulative Time (s)", "Epoch Time (s)", "Images/sec", "Val loss", "Val accuracy",
-            f">= {run.target}"] + [f"{k} (s)" for k in parts]
+    head = [
+        "Epoch",
+        "Cumulative Time (s)",
+        "Epoch Time (s)",
+        "Images/sec",
+        "Val loss",
+        "Val accuracy",
+        f">= {run.target}",
+    ] + [f"{k} (s)" for k in parts]
     rows, streak = [], 0
     for i, e in enumerate(run.epochs):
         streak = streak + 1 if e["val_accuracy"] >= run.target else 0
-        mark = f"{streak}/{run.patience}, stop" if i == stop else (f"{min(streak, run.patience)}/{run.patience}"
-                                                                     if streak else "")
+        mark = (
+            f"{streak}/{run.patience}, stop"
+            if i == stop
+            else (f"{min(streak, run.patience)}/{run.patience}" if streak else "")
+        )
         profile = e.get("profile") if isinstance(e.get("profile"), dict) else {}
-        rows.append([e["epoch"], fmt(e["cumulative_time"]), fmt(e["epoch_time"]), fmt(e["images_per_sec"], 1),
-                     fmt(e["val_loss"], 4), fmt(e["val_accuracy"], 4), mark]
-                    + [fmt(profile.get(k)) if _is_number(profile.get(k)) else "–" for k in parts])
+        rows.append(
+            [
+                e["epoch"],
+                fmt(e["cumulative_time"]),
+                fmt(e["epoch_time"]),
+                fmt(e["images_per_sec"], 1),
+                fmt(e["val_loss"], 4),
+                fmt(e["val_accuracy"], 4),
+                mark,
+            ]
+            + [fmt(profile.get(k)) if _is_number(profile.get(k)) else "–" for k in parts]
+        )
     return md_table(head, rows)
 
 
 def scaling_table(sc: Scaling) -> tuple[list[str], list[list]]:
     """(headings, rows) of the scaling table, for report.md and the PDF alike."""
     speed = sc.basis is not None
-    head = ["run", "processes (world size)", "nodes x per node", "Cumulative Time to target (s)",
-            "mean Images/sec", "final val accuracy"]
+    head = [
+        "run",
+        "processes (world size)",
+        "nodes x per node",
+        "Cumulative Time to target (s)",
+        "mean Images/sec",
+        "final val accuracy",
+    ]
     if speed:
-        head += ["compared with", f"speedup ({'time to target' if sc.basis == 'time' else 'images/sec'})",
-                 "efficiency",
-                 "Karp-Flatt e"] + [f"Amdahl S({n})" for n in AMDAHL_GPUS]
+        head += [
+            "compared with",
+            f"speedup ({'time to target' if sc.basis == 'time' else 'images/sec'})",
+            "efficiency",
+            "Karp-Flatt e",
+        ] + [f"Amdahl S({n})" for n in AMDAHL_GPUS]
     rows = []
     for row in sc.rows:
         r = row["run"]
-        cells = [r.label, row["p"], f"{r.num_nodes} x {r.num_gpus}",
-                 fmt(row["time_to_target"], missing="not reached"), fmt(row["images_per_sec"], 1),
-                 fmt(row["final_accuracy"], 4)]
+        cells = [
+            r.label,
+            row["p"],
+            f"{r.num_nodes} x {r.num_gpus}",
+            fmt(row["time_to_target"], missing="not reached"),
+            fmt(row["images_per_sec"], 1),
+            fmt(row["final_accuracy"], 4),
+        ]
         if speed:
             amdahl = row.get("amdahl", {})
-            cells += [row["reference"].label if row.get("speedup") is not None else "none comparable",
-                      fmt(row.get("speedup")), fmt(row.get("efficiency")), fmt(row.get("karp_flatt"), 4)]
+            cells += [
+                row["reference"].label if row.get("speedup") is not None else "none comparable",
+                fmt(row.get("speedup")),
+                fmt(row.get("efficiency")),
+                fmt(row.get("karp_flatt"), 4),
+            ]
             cells += [fmt(amdahl.get(n)) for n in AMDAHL_GPUS]
         rows.append(cells)
     return head, rows
@@ -553,29 +670,42 @@ def scaling_section(sc: Scaling, runs: list[Run]) -> list[str]:
     speed = sc.basis is not None
     out = ["## Scaling", "", md_table(*scaling_table(sc)), ""]
     targets = sorted({(r.target, r.patience) for r in runs})
-    out.append("- **Cumulative Time to target**: the Cumulative Time (training only, validation excluded, rank "
-               "0's clock) at the first epoch where validation accuracy has been >= the target for `patience` "
-               "consecutive epochs: the epoch the trainers stop at. Target, patience from each header's recipe: "
-               + ", ".join(f"{t} x {p}" for t, p in targets) + ".")
-    out.append("- **mean Images/sec**: each epoch's Images/sec is the sum over all processes (as logged); the "
-               "table shows the arithmetic mean over all logged epochs of the run, epoch 1 (warm-up) included.")
+    out.append(
+        "- **Cumulative Time to target**: the Cumulative Time (training only, validation excluded, rank "
+        "0's clock) at the first epoch where validation accuracy has been >= the target for `patience` "
+        "consecutive epochs: the epoch the trainers stop at. Target, patience from each header's recipe: "
+        + ", ".join(f"{t} x {p}" for t, p in targets)
+        + "."
+    )
+    out.append(
+        "- **mean Images/sec**: each epoch's Images/sec is the sum over all processes (as logged); the "
+        "table shows the arithmetic mean over all logged epochs of the run, epoch 1 (warm-up) included."
+    )
     if sc.basis == "time":
-        out.append(f"- **Speedup basis: Cumulative Time to target.** Every run reached the target, so "
-                   f"S = T(1 process) / T(p), T(1) from the run it is compared with. This includes any change in the "
-                   f"number of epochs needed (a larger global batch can need more or fewer).")
+        out.append(
+            "- **Speedup basis: Cumulative Time to target.** Every run reached the target, so "
+            "S = T(1 process) / T(p), T(1) from the run it is compared with. This includes any change in the "
+            "number of epochs needed (a larger global batch can need more or fewer)."
+        )
     elif sc.basis == "throughput":
-        out.append(f"- **Speedup basis: mean Images/sec** (not every run reached the target, so time to target "
-                   f"cannot be compared): S = R(p) / R(1 process), R(1) from the run it is compared with. This "
-                   f"measures raw training speed only, not how many epochs each run needs.")
+        out.append(
+            "- **Speedup basis: mean Images/sec** (not every run reached the target, so time to target "
+            "cannot be compared): S = R(p) / R(1 process), R(1) from the run it is compared with. This "
+            "measures raw training speed only, not how many epochs each run needs."
+        )
     if speed:
-        out.append("- **efficiency** E = S / p. **Karp-Flatt** serial fraction e = (1/S − 1/p) / (1 − 1/p): the "
-                   "share of the 1-process work that behaves as if it could not be parallelised (communication, "
-                   "synchronisation, serial work); a constant e across p suggests a true serial part, a growing e "
-                   "suggests overhead that grows with p.")
+        out.append(
+            "- **efficiency** E = S / p. **Karp-Flatt** serial fraction e = (1/S − 1/p) / (1 − 1/p): the "
+            "share of the 1-process work that behaves as if it could not be parallelised (communication, "
+            "synchronisation, serial work); a constant e across p suggests a true serial part, a growing e "
+            "suggests overhead that grows with p."
+        )
         out.append("- **Amdahl S(n)** = 1 / (e + (1 − e) / n): the speedup on n GPUs predicted from that run's e.")
     if speed:
-        out.append("- **Compared with**: a run is compared only with a 1-process run of the same recipe, data "
-                   "(training and validation images), model and device type, differing in the process count alone.")
+        out.append(
+            "- **Compared with**: a run is compared only with a 1-process run of the same recipe, data "
+            "(training and validation images), model and device type, differing in the process count alone."
+        )
     out += [f"- {note}" for note in sc.notes]
     return out + [""]
 
@@ -589,8 +719,14 @@ def profile_section(runs: list[Run]) -> list[str]:
     for _, parts in profiled:
         keys += [k for k in parts if k not in keys]
     rows = [[r.label] + [fmt(parts.get(k)) for k in keys] + [fmt(sum(parts.values()))] for r, parts in profiled]
-    return ["## Time profile", "", "Mean seconds per epoch of each part, over the epochs that carry a profile.", "",
-            md_table(["run"] + keys + ["sum"], rows), ""]
+    return [
+        "## Time profile",
+        "",
+        "Mean seconds per epoch of each part, over the epochs that carry a profile.",
+        "",
+        md_table(["run"] + keys + ["sum"], rows),
+        "",
+    ]
 
 
 # ============================================================================ the course's R3 report
@@ -602,12 +738,14 @@ TAG = re.compile(r"#\s*(R1\.\d+\b.*)$")
 BUCKET_CAP_MB, FIRST_BUCKET_MB = 25, 1  # DDP's defaults: bucket_cap_mb, and the smaller first bucket
 MIB = 1024 * 1024
 # What the course asks the student to explain, one slot per Demonstrate item (notes.yaml's `explain:`).
-EXPLAIN = {"topology": "how the ranks map onto nodes and GPUs, and why each process is pinned to its own GPU",
-           "partitioning": "why each rank gets a disjoint shard, why the sampler pads, and what set_epoch changes",
-           "gradient_sync": "what DDP's all-reduce does during backward, and why every replica stays identical",
-           "aggregation": "why images/sec is summed over the ranks while loss and accuracy are averaged",
-           "scaling": "where the time goes (the bottleneck), and what Amdahl's law predicts for more GPUs",
-           "optimisations": "why each change helps, judged from your before/after measurements"}
+EXPLAIN = {
+    "topology": "how the ranks map onto nodes and GPUs, and why each process is pinned to its own GPU",
+    "partitioning": "why each rank gets a disjoint shard, why the sampler pads, and what set_epoch changes",
+    "gradient_sync": "what DDP's all-reduce does during backward, and why every replica stays identical",
+    "aggregation": "why images/sec is summed over the ranks while loss and accuracy are averaged",
+    "scaling": "where the time goes (the bottleneck), and what Amdahl's law predicts for more GPUs",
+    "optimisations": "why each change helps, judged from your before/after measurements",
+}
 
 
 def ddp_steps(source: Path = RAW_DDP) -> list[tuple[str, list[int]]]:
@@ -626,8 +764,11 @@ def code_lines(step: str, containing: str = "", source: Path = RAW_DDP) -> list[
     containing `containing`: quoted as they stand in the shipped file."""
     text = source.read_text(encoding="utf-8").splitlines()
     numbers = dict(ddp_steps(source)).get(step, [])
-    return [f"{n}: {text[n - 1].strip()}" for n in numbers
-            if not text[n - 1].lstrip().startswith("#") and containing in text[n - 1]]
+    return [
+        f"{n}: {text[n - 1].strip()}"
+        for n in numbers
+        if not text[n - 1].lstrip().startswith("#") and containing in text[n - 1]
+    ]
 
 
 def slot(notes: dict, section: str, key: str, what: str) -> str:
@@ -642,8 +783,13 @@ def shards(n: int, world: int, batch: int | None) -> dict:
     shard = math.ceil(n / world)
     padding = shard * world - n
     steps = shard // batch if batch else None
-    return {"shard": shard, "padding": padding, "padded_ranks": list(range(world - padding, world)),
-            "steps": steps, "dropped": shard - steps * batch if batch else None}
+    return {
+        "shard": shard,
+        "padding": padding,
+        "padded_ranks": list(range(world - padding, world)),
+        "steps": steps,
+        "dropped": shard - steps * batch if batch else None,
+    }
 
 
 def gradient_bytes(run: Run) -> tuple[int, int] | None:
@@ -670,15 +816,24 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
     explanations as slots: ("h", title), ("p", text), ("table", head, rows), ("code", lines)."""
     explain = lambda key: ("p", "**Explanation:** " + slot(notes, "explain", key, EXPLAIN[key]))
     cite = f"The concepts: {WALKTHROUGH}."
-    out = [("h", "Demonstrate 1: process topology and rank assignment"),
-           ("p", "Each run's layout (the diagrams and text topologies are in its section under Runs): "
-                 + "; ".join(f"`{r.label}` draws {r.num_nodes} node(s) x {r.num_gpus} "
-                             f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
-                             + (f"ranks 0-{r.world_size - 1}" if r.world_size > 1 else "rank 0")
-                             + f", {r.header['backend']}" for r in runs)
-                 + f". In raw_ddp.py, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). {cite}"),
-           code_block(code_lines("R1.2") + code_lines("R1.7", "device") + code_lines("R1.3", "init_process_group")),
-           explain("topology"), ("h", "Demonstrate 2: data partitioning")]
+    out = [
+        ("h", "Demonstrate 1: process topology and rank assignment"),
+        (
+            "p",
+            "Each run's layout (the diagrams and text topologies are in its section under Runs): "
+            + "; ".join(
+                f"`{r.label}` draws {r.num_nodes} node(s) x {r.num_gpus} "
+                f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
+                + (f"ranks 0-{r.world_size - 1}" if r.world_size > 1 else "rank 0")
+                + f", {r.header['backend']}"
+                for r in runs
+            )
+            + f". In raw_ddp.py, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). {cite}",
+        ),
+        code_block(code_lines("R1.2") + code_lines("R1.7", "device") + code_lines("R1.3", "init_process_group")),
+        explain("topology"),
+        ("h", "Demonstrate 2: data partitioning"),
+    ]
     rows = []
     for r in runs:
         batch = r.header.get("per_device_batch_size")
@@ -686,22 +841,50 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
             n = r.header.get(key)
             if isinstance(n, int):
                 sh = shards(n, r.world_size, b)
-                rows.append([r.label, split, n, r.world_size, sh["shard"], sh["padding"],
-                             ", ".join(map(str, sh["padded_ranks"])) or "none", "–" if b is None else
-                             f"{sh['steps']} x {b} ({sh['dropped']} dropped)"
-                             + ("" if r.header.get("steps_per_epoch") in (None, sh["steps"])
-                                else f"; the log says {r.header['steps_per_epoch']}")])
-    out += [("p", "DistributedSampler (R1.5) gives each rank ceil(n / world size) indices; the padding "
-                  "(shard x world size - n) repeats the first indices, one each on the last ranks. Training "
-                  "batches drop the short last one (drop_last); validation leaves the repeats out of its sums. "
-                  "From each header's image counts and per-process batch:"),
-            ("table", ["run", "split", "images", "ranks", "per rank", "padding", "ranks holding a repeat",
-                       "steps per epoch"], rows),
-            ("p", "The sampler and its new shuffle each epoch (R1.6):"),
-            code_block([f"{n}: {line.strip()}" for n, line in
-                        enumerate(RAW_DDP.read_text(encoding="utf-8").splitlines(), 1)
-                        if "= DistributedSampler(" in line] + code_lines("R1.6")),
-            explain("partitioning"), ("h", "Demonstrate 3: gradient synchronisation")]
+                rows.append(
+                    [
+                        r.label,
+                        split,
+                        n,
+                        r.world_size,
+                        sh["shard"],
+                        sh["padding"],
+                        ", ".join(map(str, sh["padded_ranks"])) or "none",
+                        "–"
+                        if b is None
+                        else f"{sh['steps']} x {b} ({sh['dropped']} dropped)"
+                        + (
+                            ""
+                            if r.header.get("steps_per_epoch") in (None, sh["steps"])
+                            else f"; the log says {r.header['steps_per_epoch']}"
+                        ),
+                    ]
+                )
+    out += [
+        (
+            "p",
+            "DistributedSampler (R1.5) gives each rank ceil(n / world size) indices; the padding "
+            "(shard x world size - n) repeats the first indices, one each on the last ranks. Training "
+            "batches drop the short last one (drop_last); validation leaves the repeats out of its sums. "
+            "From each header's image counts and per-process batch:",
+        ),
+        (
+            "table",
+            ["run", "split", "images", "ranks", "per rank", "padding", "ranks holding a repeat", "steps per epoch"],
+            rows,
+        ),
+        ("p", "The sampler and its new shuffle each epoch (R1.6):"),
+        code_block(
+            [
+                f"{n}: {line.strip()}"
+                for n, line in enumerate(RAW_DDP.read_text(encoding="utf-8").splitlines(), 1)
+                if "= DistributedSampler(" in line
+            ]
+            + code_lines("R1.6")
+        ),
+        explain("partitioning"),
+        ("h", "Demonstrate 3: gradient synchronisation"),
+    ]
     rows = []
     for r in runs:
         sent = gradient_bytes(r)
@@ -709,64 +892,151 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
             continue
         comm = [e["comm_estimate"] for e in r.epochs if _is_number(e.get("comm_estimate"))]
         epoch = sum(e["epoch_time"] for e in r.epochs) / len(r.epochs) if r.epochs else None
-        measured = (f"{sum(comm) / len(comm):.3f} s/epoch ({100 * sum(comm) / len(comm) / epoch:.1f}% of the "
-                    f"epoch)" if comm and epoch else "not measured (run with --profile)")
-        rows.append([r.label, r.header["model_parameters"], "bf16" if r.recipe.get("grad_compression") == "bf16"
-                     else "fp32", f"{sent[0] / MIB:.1f} MiB", f"~{sent[1]}",
-                     f"{2 * (r.world_size - 1) / r.world_size * sent[0] / MIB:.1f} MiB", measured])
-    out += [("p", "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
-                  "Bytes = parameters x 4 (gradients in the parameters' fp32, also under bf16 autocast; half with "
-                  f"grad_compression bf16). Buckets: an estimate from DDP's default caps ({FIRST_BUCKET_MB} MiB "
-                  f"first, then {BUCKET_CAP_MB} MiB). A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
-                  "The measured cost is --profile's all-reduce estimate (the last batch's backward with and "
-                  "without synchronisation, times the steps)."),
-            ("table", ["run", "parameters", "gradients", "all-reduced per step", "buckets", "sent per rank (ring)",
-                       "measured all-reduce"], rows) if rows else ("p", "_No run with more than one process._"),
-            code_block(code_lines("R1.8", "DDP(")), explain("gradient_sync"),
-            ("h", "Demonstrate 4: aggregating metrics across ranks"),
-            ("p", "The R1.9 lines of raw_ddp.py as they stand: images/sec is a SUM over the ranks (dist.reduce to "
-                  "rank 0), validation loss and accuracy an AVG (all_reduce of sums and counts)."),
-            code_block(code_lines("R1.9")),
-            ("table", ["run", "last epoch", "images/sec (SUM over ranks)", "per rank (SUM / N)", "val loss (AVG)",
-                       "val accuracy (AVG)"],
-             [[r.label, r.epochs[-1]["epoch"], fmt(r.epochs[-1]["images_per_sec"], 1),
-               fmt(r.epochs[-1]["images_per_sec"] / r.world_size, 1), fmt(r.epochs[-1]["val_loss"], 4),
-               fmt(r.epochs[-1]["val_accuracy"], 4)] for r in runs if r.epochs]),
-            explain("aggregation"), ("h", "Demonstrate 5: 1 vs N processes, Amdahl's law and the bottleneck"),
-            ("p", "The scaling table is above (Scaling), computed only between comparable runs; the time profile "
-                  "(with --profile) shows where an epoch's time goes."), explain("scaling"),
-            ("h", "Demonstrate 6: optimisations")]
+        measured = (
+            f"{sum(comm) / len(comm):.3f} s/epoch ({100 * sum(comm) / len(comm) / epoch:.1f}% of the epoch)"
+            if comm and epoch
+            else "not measured (run with --profile)"
+        )
+        rows.append(
+            [
+                r.label,
+                r.header["model_parameters"],
+                "bf16" if r.recipe.get("grad_compression") == "bf16" else "fp32",
+                f"{sent[0] / MIB:.1f} MiB",
+                f"~{sent[1]}",
+                f"{2 * (r.world_size - 1) / r.world_size * sent[0] / MIB:.1f} MiB",
+                measured,
+            ]
+        )
+    out += [
+        (
+            "p",
+            "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
+            "Bytes = parameters x 4 (gradients in the parameters' fp32, also under bf16 autocast; half with "
+            f"grad_compression bf16). Buckets: an estimate from DDP's default caps ({FIRST_BUCKET_MB} MiB "
+            f"first, then {BUCKET_CAP_MB} MiB). A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
+            "The measured cost is --profile's all-reduce estimate (the last batch's backward with and "
+            "without synchronisation, times the steps).",
+        ),
+        (
+            "table",
+            [
+                "run",
+                "parameters",
+                "gradients",
+                "all-reduced per step",
+                "buckets",
+                "sent per rank (ring)",
+                "measured all-reduce",
+            ],
+            rows,
+        )
+        if rows
+        else ("p", "_No run with more than one process._"),
+        code_block(code_lines("R1.8", "DDP(")),
+        explain("gradient_sync"),
+        ("h", "Demonstrate 4: aggregating metrics across ranks"),
+        (
+            "p",
+            "The R1.9 lines of raw_ddp.py as they stand: images/sec is a SUM over the ranks (dist.reduce to "
+            "rank 0), validation loss and accuracy an AVG (all_reduce of sums and counts).",
+        ),
+        code_block(code_lines("R1.9")),
+        (
+            "table",
+            [
+                "run",
+                "last epoch",
+                "images/sec (SUM over ranks)",
+                "per rank (SUM / N)",
+                "val loss (AVG)",
+                "val accuracy (AVG)",
+            ],
+            [
+                [
+                    r.label,
+                    r.epochs[-1]["epoch"],
+                    fmt(r.epochs[-1]["images_per_sec"], 1),
+                    fmt(r.epochs[-1]["images_per_sec"] / r.world_size, 1),
+                    fmt(r.epochs[-1]["val_loss"], 4),
+                    fmt(r.epochs[-1]["val_accuracy"], 4),
+                ]
+                for r in runs
+                if r.epochs
+            ],
+        ),
+        explain("aggregation"),
+        ("h", "Demonstrate 5: 1 vs N processes, Amdahl's law and the bottleneck"),
+        (
+            "p",
+            "The scaling table is above (Scaling), computed only between comparable runs; the time profile "
+            "(with --profile) shows where an epoch's time goes.",
+        ),
+        explain("scaling"),
+        ("h", "Demonstrate 6: optimisations"),
+    ]
     run = main_run(runs)
     changes = optimisations(run)
-    out += [("p", f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml:"),
-            ("table", ["recipe key", "baseline", "used", "why"],
-             [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes])
-            if changes else ("p", "None: the run used the baseline recipe.")]
+    out += [
+        ("p", f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml:"),
+        (
+            "table",
+            ["recipe key", "baseline", "used", "why"],
+            [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes],
+        )
+        if changes
+        else ("p", "None: the run used the baseline recipe."),
+    ]
     for before, after in compare:
         out += compare_blocks(before, after)
     if not compare:
-        out.append(("p", "**Before/after:** [you measure: pass the logs of a run without and with the change, "
-                         "`--compare BEFORE.jsonl AFTER.jsonl`]"))
+        out.append(
+            (
+                "p",
+                "**Before/after:** [you measure: pass the logs of a run without and with the change, "
+                "`--compare BEFORE.jsonl AFTER.jsonl`]",
+            )
+        )
     return out + [explain("optimisations")]
 
 
 def compare_blocks(before: Run, after: Run) -> list[tuple]:
     """A before/after table from two of the student's logs, and what else than the recipe differs."""
-    keys = [k for k in sorted(set(full_recipe(before.recipe)) | set(full_recipe(after.recipe)))
-            if full_recipe(before.recipe).get(k) != full_recipe(after.recipe).get(k)]
-    measure = lambda r: [fmt(time_to_target(r.epochs, r.target, r.patience), missing="not reached"),
-                         fmt(mean_images_per_sec(r.epochs), 1), fmt(r.epochs[-1]["val_accuracy"], 4) if r.epochs
-                         else "–", len(r.epochs)]
+    keys = [
+        k
+        for k in sorted(set(full_recipe(before.recipe)) | set(full_recipe(after.recipe)))
+        if full_recipe(before.recipe).get(k) != full_recipe(after.recipe).get(k)
+    ]
+    measure = lambda r: [
+        fmt(time_to_target(r.epochs, r.target, r.patience), missing="not reached"),
+        fmt(mean_images_per_sec(r.epochs), 1),
+        fmt(r.epochs[-1]["val_accuracy"], 4) if r.epochs else "–",
+        len(r.epochs),
+    ]
     other = [d for d in differences([before, after]) if not d.startswith("recipe")]
     if before.world_size != after.world_size:
         other.append(f"world size ({before.world_size} vs {after.world_size})")
     head = ["", "recipe change", "Cumulative Time to target (s)", "mean images/sec", "final val accuracy", "epochs"]
-    change = "; ".join(f"{k}: {json.dumps(full_recipe(before.recipe).get(k))} -> "
-                       f"{json.dumps(full_recipe(after.recipe).get(k))}" for k in keys) or "none"
-    return [("p", f"**Before/after** (`--compare {before.path} {after.path}`)"
-                  + (f"; **not like for like: they also differ in {'; '.join(other)}**" if other else "") + ":"),
-            ("table", head, [[f"before: {before.label}", change, *measure(before)],
-                             [f"after: {after.label}", "", *measure(after)]])]
+    change = (
+        "; ".join(
+            f"{k}: {json.dumps(full_recipe(before.recipe).get(k))} -> {json.dumps(full_recipe(after.recipe).get(k))}"
+            for k in keys
+        )
+        or "none"
+    )
+    return [
+        (
+            "p",
+            f"**Before/after** (`--compare {before.path} {after.path}`)"
+            + (f"; **not like for like: they also differ in {'; '.join(other)}**" if other else "")
+            + ":",
+        ),
+        (
+            "table",
+            head,
+            [[f"before: {before.label}", change, *measure(before)], [f"after: {after.label}", "", *measure(after)]],
+        ),
+    ]
 
 
 def blocks_markdown(blocks: list[tuple]) -> list[str]:
@@ -793,34 +1063,49 @@ def steps_table(notes: dict) -> tuple[list[str], list[list]]:
     try:
         steps = ddp_steps()
     except OSError as exc:
-        raise UserError(f"cannot read the raw_ddp.py whose step lines the report cites ({exc.strerror or exc}); "
-                        f"run it from a checkout of the project") from None
-    return ["step", "where", "why"], [[step, where_text("raw_ddp.py", lines),
-                                       slot(notes, "steps", step, f"why {step} is needed")] for step, lines in steps]
+        raise UserError(
+            f"cannot read the raw_ddp.py whose step lines the report cites ({exc.strerror or exc}); "
+            f"run it from a checkout of the project"
+        ) from None
+    return ["step", "where", "why"], [
+        [step, where_text("raw_ddp.py", lines), slot(notes, "steps", step, f"why {step} is needed")]
+        for step, lines in steps
+    ]
 
 
 def pdf_content(runs: list[Run], notes: dict, compare: list) -> SimpleNamespace:
     """Every text and table the PDF shows, computed here so that report_pdf only lays them out (and
     imports nothing of this module: no import circle)."""
     from .runlog import git_commit
+
     run = main_run(runs)
     sc = scaling(runs)
     head, rows = scaling_table(sc)
     return SimpleNamespace(
-        runs=runs, run=run, printed=printed_lines(run), criterion=criterion_text(run), steps=steps_table(notes)[1],
-        commit=short_commit(git_commit()), run_commit=short_commit(run.header.get("git_commit", "not logged")),
-        resumed=resume_text(run) if run.resumes else "", scaling_head=head, scaling_rows=rows,
-        scaling_basis=bool(sc.basis), scaling_notes=scaling_section(sc, runs),
-        demonstrate=demonstrate(runs, sc, notes, compare))
+        runs=runs,
+        run=run,
+        printed=printed_lines(run),
+        criterion=criterion_text(run),
+        steps=steps_table(notes)[1],
+        commit=short_commit(git_commit()),
+        run_commit=short_commit(run.header.get("git_commit", "not logged")),
+        resumed=resume_text(run) if run.resumes else "",
+        scaling_head=head,
+        scaling_rows=rows,
+        scaling_basis=bool(sc.basis),
+        scaling_notes=scaling_section(sc, runs),
+        demonstrate=demonstrate(runs, sc, notes, compare),
+    )
 
 
-NOTES_HELP = ("steps: {R1.<n>: why}, explain: {" + ", ".join(EXPLAIN) + "}, optimisations: {recipe key: why}")
+NOTES_HELP = "steps: {R1.<n>: why}, explain: {" + ", ".join(EXPLAIN) + "}, optimisations: {recipe key: why}"
 
 
 def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
     """The student's own words (docs/report-example/notes.yaml shows the form): each entry fills one slot;
     what is left out stays a [you write: ...] slot."""
     import yaml
+
     if path is None:
         return {}
     try:
@@ -830,10 +1115,14 @@ def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
     except yaml.YAMLError as exc:  # its message spans lines: keep where and what
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"--notes {path}: cannot be read as YAML{where} ({getattr(exc, 'problem', None) or 'not YAML'})"
-                        ) from None
-    allowed = {"steps": [step for step, _ in ddp_steps()], "explain": list(EXPLAIN),
-               "optimisations": [key for key, _, _ in optimisations(main_run(runs))]}
+        raise UserError(
+            f"--notes {path}: cannot be read as YAML{where} ({getattr(exc, 'problem', None) or 'not YAML'})"
+        ) from None
+    allowed = {
+        "steps": [step for step, _ in ddp_steps()],
+        "explain": list(EXPLAIN),
+        "optimisations": [key for key, _, _ in optimisations(main_run(runs))],
+    }
     if not isinstance(raw, dict) or not set(raw) <= set(allowed):
         raise UserError(f"--notes {path}: expected {NOTES_HELP}")
     for section, entries in raw.items():
@@ -841,8 +1130,10 @@ def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
             raise UserError(f"--notes {path}: {section}: expected KEY: TEXT entries")
         for key, text in entries.items():
             if key not in allowed[section]:
-                raise UserError(f"--notes {path}: {section}: {key!r} is not one of "
-                                f"{', '.join(allowed[section]) or 'none (the run used the baseline recipe)'}")
+                raise UserError(
+                    f"--notes {path}: {section}: {key!r} is not one of "
+                    f"{', '.join(allowed[section]) or 'none (the run used the baseline recipe)'}"
+                )
             if not isinstance(text, str) or not text.strip():
                 raise UserError(f"--notes {path}: {section}: {key}: expected your text")
     return {section: {key: " ".join(text.split()) for key, text in entries.items()} for section, entries in raw.items()}
@@ -851,9 +1142,11 @@ def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
 def main_run(runs: list[Run]) -> Run:
     """The run whose epoch log the course asks for: a 2-process one (one that met the criterion, if any),
     else the one with the most processes; the first given among equals."""
+
     def rank(r):
         met = time_to_target(r.epochs, r.target, r.patience) is not None
         return (r.world_size == 2, r.world_size if r.world_size != 2 else 0, met)
+
     return max(runs, key=rank)  # max keeps the first of equal keys
 
 
@@ -863,14 +1156,19 @@ def printed_lines(run: Run) -> list[str]:
     from types import SimpleNamespace
 
     from .runlog import Progress, epoch_line, final_line
+
     lines = [epoch_line(e) for e in run.epochs]
     stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
     stopped = stop is not None and stop == len(run.epochs) - 1
     budget = run.recipe.get("epochs")
     ended = run.epochs and "safety_net" not in run.epochs[-1]  # the net fired there: the run went on
     if stopped or (isinstance(budget, int) and ended and run.epochs[-1]["epoch"] >= budget):
-        recipe = SimpleNamespace(target_accuracy=run.target, patience=run.patience, epochs=budget,
-                                 extra_epochs=run.recipe.get("extra_epochs", 0))  # logs from before the safety net: 0
+        recipe = SimpleNamespace(
+            target_accuracy=run.target,
+            patience=run.patience,
+            epochs=budget,
+            extra_epochs=run.recipe.get("extra_epochs", 0),
+        )  # logs from before the safety net: 0
         lines.append(final_line(Progress(epoch=run.epochs[-1]["epoch"]), recipe, stopped))
     return lines
 
@@ -881,22 +1179,29 @@ def criterion_text(run: Run) -> str:
     rule = f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"
     if stop is None:
         return f"Not met: {rule} did not happen in the {len(run.epochs)} epoch(s) of this log."
-    return (f"Cumulative Time at the criterion: {run.epochs[stop]['cumulative_time']:.3f} s, after epoch "
-            f"{run.epochs[stop]['epoch']} ({rule}).")
+    return (
+        f"Cumulative Time at the criterion: {run.epochs[stop]['cumulative_time']:.3f} s, after epoch "
+        f"{run.epochs[stop]['epoch']} ({rule})."
+    )
 
 
 def optimisations(run: Run) -> list[tuple[str, str, str]]:
     """(recipe key, baseline value, value used) for each key where the run's recipe differs from
     recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
     from .recipe import as_dict, load_recipe
+
     baseline = as_dict(load_recipe("baseline"))
     used = full_recipe(run.recipe)
     show = lambda value: value if isinstance(value, str) else json.dumps(value)  # true/false as in YAML
-    return [(key, show(baseline[key]) if key in baseline else "(not a key of this code)", show(used[key]))
-            for key in used if baseline.get(key, object()) != used[key]]
+    return [
+        (key, show(baseline[key]) if key in baseline else "(not a key of this code)", show(used[key]))
+        for key in used
+        if baseline.get(key, object()) != used[key]
+    ]
 
 
 # ============================================================================ figures
+
 
 def load_matplotlib():
     """(Figure, FigureCanvasAgg), or None when matplotlib is not installed. The Agg canvas is attached to
@@ -928,11 +1233,17 @@ def plot_accuracy(mpl, runs: list[Run], path: Path) -> Path:
     ax = fig.add_subplot()
     for run in runs:
         xs = [e["cumulative_time"] for e in run.epochs]
-        line, = ax.plot(xs, [e["val_accuracy"] for e in run.epochs], marker="o", ms=3, label=_legend_name(run))
+        (line,) = ax.plot(xs, [e["val_accuracy"] for e in run.epochs], marker="o", ms=3, label=_legend_name(run))
         stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
         if stop is not None:
-            ax.plot([xs[stop]], [run.epochs[stop]["val_accuracy"]], marker="*", ms=14, color=line.get_color(),
-                    linestyle="none")
+            ax.plot(
+                [xs[stop]],
+                [run.epochs[stop]["val_accuracy"]],
+                marker="*",
+                ms=14,
+                color=line.get_color(),
+                linestyle="none",
+            )
     for target in sorted({r.target for r in runs}):
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
     times = [e["cumulative_time"] for r in runs for e in r.epochs if e["cumulative_time"] > 0]
@@ -953,8 +1264,13 @@ def plot_throughput(mpl, runs: list[Run], path: Path) -> Path:
     fig = mpl[0](figsize=(7, 4.5))
     ax = fig.add_subplot()
     for run in runs:
-        ax.plot([e["epoch"] for e in run.epochs], [e["images_per_sec"] for e in run.epochs], marker="o", ms=3,
-                label=_legend_name(run))
+        ax.plot(
+            [e["epoch"] for e in run.epochs],
+            [e["images_per_sec"] for e in run.epochs],
+            marker="o",
+            ms=3,
+            label=_legend_name(run),
+        )
     ax.set_xlabel("epoch")
     ax.set_ylabel("images/sec (sum over processes)")
     ax.set_title("Training throughput per epoch")
@@ -995,56 +1311,112 @@ def plot_topology(mpl, num_nodes: int, num_gpus: int, backend: str, device: str,
     from matplotlib.path import Path as MplPath
 
     world = num_nodes * num_gpus
-    w, h, gap, pad, node_gap = 1.6, 1.0, 0.7, 0.45, 0.9     # process box, gaps, padding inside a node
-    title_h = 0.35                                          # room for the node's name
+    w, h, gap, pad, node_gap = 1.6, 1.0, 0.7, 0.45, 0.9  # process box, gaps, padding inside a node
+    title_h = 0.35  # room for the node's name
     node_w = max(num_gpus * w + (num_gpus - 1) * gap + 2 * pad, 3.2)  # at least as wide as its name
     node_h = h + 2 * pad + title_h
-    margin = 0.5                                            # room around the nodes for the closing arrow
+    margin = 0.5  # room around the nodes for the closing arrow
     fig = mpl[0](figsize=(max(4.5, 0.9 * (node_w + 2 * margin)), 0.9 * (num_nodes * (node_h + node_gap)) + 0.8))
     ax = fig.add_subplot()
     ax.set_aspect("equal")
     ax.axis("off")
-    box = {}                                                # rank -> (x0, y0) of its box
+    box = {}  # rank -> (x0, y0) of its box
     for node in range(num_nodes):
         y0 = -node * (node_h + node_gap)
-        ax.add_patch(FancyBboxPatch((0, y0), node_w, node_h, boxstyle="round,pad=0.02,rounding_size=0.15",
-                                    facecolor="#eef3fa", edgecolor="#35597f", linewidth=1.5))
-        ax.text(pad, y0 + node_h - 0.25, f"node {node}" + (" (MASTER_ADDR)" if node == 0 else ""),
-                ha="left", va="center", fontsize=9, fontweight="bold", color="#35597f")
+        ax.add_patch(
+            FancyBboxPatch(
+                (0, y0),
+                node_w,
+                node_h,
+                boxstyle="round,pad=0.02,rounding_size=0.15",
+                facecolor="#eef3fa",
+                edgecolor="#35597f",
+                linewidth=1.5,
+            )
+        )
+        ax.text(
+            pad,
+            y0 + node_h - 0.25,
+            f"node {node}" + (" (MASTER_ADDR)" if node == 0 else ""),
+            ha="left",
+            va="center",
+            fontsize=9,
+            fontweight="bold",
+            color="#35597f",
+        )
         for local in range(num_gpus):
             rank = global_rank(node, num_gpus, local)
             x0 = (node_w - num_gpus * w - (num_gpus - 1) * gap) / 2 + local * (w + gap)  # centred in the node
-            ax.add_patch(FancyBboxPatch((x0, y0 + pad), w, h, boxstyle="round,pad=0.02,rounding_size=0.08",
-                                        facecolor="#ffe9b3" if rank == 0 else "white", edgecolor="black"))
+            ax.add_patch(
+                FancyBboxPatch(
+                    (x0, y0 + pad),
+                    w,
+                    h,
+                    boxstyle="round,pad=0.02,rounding_size=0.08",
+                    facecolor="#ffe9b3" if rank == 0 else "white",
+                    edgecolor="black",
+                )
+            )
             where = f"cuda:{local}" if device == "cuda" else "CPU process"
-            ax.text(x0 + w / 2, y0 + pad + h / 2, f"rank {rank}\nlocal_rank {local}\n{where}", ha="center",
-                    va="center", fontsize=8)
+            ax.text(
+                x0 + w / 2,
+                y0 + pad + h / 2,
+                f"rank {rank}\nlocal_rank {local}\n{where}",
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
             box[rank] = (x0, y0 + pad)
 
     def arrow(points, between):
-        ax.add_patch(FancyArrowPatch(path=MplPath(points), arrowstyle="-|>", mutation_scale=12, linewidth=1.4,
-                                     color="#c0392b" if between else "#2c7a3f", zorder=3))
+        ax.add_patch(
+            FancyArrowPatch(
+                path=MplPath(points),
+                arrowstyle="-|>",
+                mutation_scale=12,
+                linewidth=1.4,
+                color="#c0392b" if between else "#2c7a3f",
+                zorder=3,
+            )
+        )
 
     for rank in range(world if world > 1 else 0):
         nxt = (rank + 1) % world
         (x1, y1), (x2, y2) = box[rank], box[nxt]
         between = rank // num_gpus != nxt // num_gpus
-        if world == 2 and num_gpus == 2:                    # one node, two processes: two parallel arrows
+        if world == 2 and num_gpus == 2:  # one node, two processes: two parallel arrows
             dy = 0.2 * h if nxt == 1 else -0.2 * h
-            arrow([(x1 + (w if nxt == 1 else 0), y1 + h / 2 + dy), (x2 + (0 if nxt == 1 else w), y2 + h / 2 + dy)],
-                  False)
-        elif nxt == rank + 1 and not between:               # the next box in the same node
+            arrow(
+                [(x1 + (w if nxt == 1 else 0), y1 + h / 2 + dy), (x2 + (0 if nxt == 1 else w), y2 + h / 2 + dy)], False
+            )
+        elif nxt == rank + 1 and not between:  # the next box in the same node
             arrow([(x1 + w, y1 + h / 2), (x2, y2 + h / 2)], False)
-        elif nxt == rank + 1:                               # last process of a node -> first of the next node
-            arrow([(x1 + w / 2, y1), (x1 + w / 2, y1 - pad - node_gap / 2), (x2 + w / 2, y1 - pad - node_gap / 2),
-                   (x2 + w / 2, y2 + h)], True)
-        elif num_nodes == 1:                                # close the ring under the row of one node
+        elif nxt == rank + 1:  # last process of a node -> first of the next node
+            arrow(
+                [
+                    (x1 + w / 2, y1),
+                    (x1 + w / 2, y1 - pad - node_gap / 2),
+                    (x2 + w / 2, y1 - pad - node_gap / 2),
+                    (x2 + w / 2, y2 + h),
+                ],
+                True,
+            )
+        elif num_nodes == 1:  # close the ring under the row of one node
             low = y1 - pad / 2
             arrow([(x1 + w / 2, y1), (x1 + w / 2, low), (x2 + w / 2, low), (x2 + w / 2, y2)], False)
-        else:                                               # close the ring around the nodes: right, top, left
+        else:  # close the ring around the nodes: right, top, left
             right, top, left = node_w + margin / 2, node_h + margin / 2, -margin / 2
-            arrow([(x1 + w, y1 + h / 2), (right, y1 + h / 2), (right, top), (left, top), (left, y2 + h / 2),
-                   (x2, y2 + h / 2)], True)
+            arrow(
+                [
+                    (x1 + w, y1 + h / 2),
+                    (right, y1 + h / 2),
+                    (right, top),
+                    (left, top),
+                    (left, y2 + h / 2),
+                    (x2, y2 + h / 2),
+                ],
+                True,
+            )
     ax.set_xlim(-margin, node_w + margin)
     ax.set_ylim(-(num_nodes - 1) * (node_h + node_gap) - 0.2, node_h + margin)
     if world == 1:
@@ -1053,21 +1425,25 @@ def plot_topology(mpl, num_nodes: int, num_gpus: int, backend: str, device: str,
         ring = "ring all-reduce drawn simply: " + " → ".join(str(r) for r in [*range(world), 0])
     else:
         ring = f"ring all-reduce drawn simply: 0 → 1 → … → {world - 1} → 0"
-    ax.set_title(f"{num_nodes} node(s) × {num_gpus} per node = world size {world}, {backend} on {device}\n{ring}\n"
-                 "global rank = node_id × num_gpus + local_rank" + ("; red: between nodes" if num_nodes > 1 else ""),
-                 fontsize=9)
+    ax.set_title(
+        f"{num_nodes} node(s) × {num_gpus} per node = world size {world}, {backend} on {device}\n{ring}\n"
+        "global rank = node_id × num_gpus + local_rank" + ("; red: between nodes" if num_nodes > 1 else ""),
+        fontsize=9,
+    )
     return _save(mpl, fig, path)
 
 
 # ============================================================================ the report
+
 
 def topology_name(config: tuple) -> str:
     nodes, gpus, backend, device = config
     return f"topology_{nodes}x{gpus}_{safe_name(str(backend))}_{safe_name(str(device))}.png"
 
 
-def write_report(runs: list[Run], out_dir, figures: bool = True, notes: dict | None = None,
-                 compare: list[tuple[Run, Run]] = ()) -> tuple[Path, list[Path], str | None]:
+def write_report(
+    runs: list[Run], out_dir, figures: bool = True, notes: dict | None = None, compare: list[tuple[Run, Run]] = ()
+) -> tuple[Path, list[Path], str | None]:
     """Write out_dir/report.md (and the PNGs). Returns (report path, figure paths, why figures were skipped)."""
     out_dir = Path(out_dir)
     try:
@@ -1095,27 +1471,45 @@ def write_report(runs: list[Run], out_dir, figures: bool = True, notes: dict | N
         for run in runs:
             if run.config not in topology_png:
                 nodes, gpus, backend, device = run.config
-                topology_png[run.config] = plot_topology(mpl, nodes, gpus, str(backend), str(device),
-                                                         out_dir / topology_name(run.config))
+                topology_png[run.config] = plot_topology(
+                    mpl, nodes, gpus, str(backend), str(device), out_dir / topology_name(run.config)
+                )
                 written.append(topology_png[run.config])
 
-    lines = ["# Training report", "",
-             f"{len(runs)} run(s): " + ", ".join(f"`{r.label}` ({r.path})" for r in runs) + ".", ""]
+    lines = [
+        "# Training report",
+        "",
+        f"{len(runs)} run(s): " + ", ".join(f"`{r.label}` ({r.path})" for r in runs) + ".",
+        "",
+    ]
     if mpl:
-        lines += ["Figures: [accuracy against time](accuracy_vs_time.png), [images/sec](images_per_sec.png)"
-                  + (", [time profile](profile.png)" if (out_dir / "profile.png") in written else "")
-                  + ", and a topology diagram per configuration (in each run's section).", ""]
+        lines += [
+            "Figures: [accuracy against time](accuracy_vs_time.png), [images/sec](images_per_sec.png)"
+            + (", [time profile](profile.png)" if (out_dir / "profile.png") in written else "")
+            + ", and a topology diagram per configuration (in each run's section).",
+            "",
+        ]
     else:
         lines += [f"**Figures skipped: {skipped}.** The tables and the text topology below are complete.", ""]
-    lines += ["Text marked `[you write: ...]` is yours to write (or give it with `--notes notes.yaml`): this report "
-              "states facts from the logs and the code, never the explanations.", "",
-              "## The DDP steps (R1) in raw_ddp.py", "",
-              "The line numbers of each `# R1.<n>` tag in the raw_ddp.py next to this report (they move with the "
-              "code).", "", md_table(*steps_table(notes)), ""]
+    lines += [
+        "Text marked `[you write: ...]` is yours to write (or give it with `--notes notes.yaml`): this report "
+        "states facts from the logs and the code, never the explanations.",
+        "",
+        "## The DDP steps (R1) in raw_ddp.py",
+        "",
+        "The line numbers of each `# R1.<n>` tag in the raw_ddp.py next to this report (they move with the code).",
+        "",
+        md_table(*steps_table(notes)),
+        "",
+    ]
     lines += scaling_section(sc, runs)
     if mpl and any(r.epochs for r in runs):
-        lines += ["![validation accuracy against Cumulative Time](accuracy_vs_time.png)", "",
-                  "![images/sec per epoch](images_per_sec.png)", ""]
+        lines += [
+            "![validation accuracy against Cumulative Time](accuracy_vs_time.png)",
+            "",
+            "![images/sec per epoch](images_per_sec.png)",
+            "",
+        ]
     profile = profile_section(runs)
     if profile:
         lines += profile
@@ -1124,8 +1518,20 @@ def write_report(runs: list[Run], out_dir, figures: bool = True, notes: dict | N
     lines += blocks_markdown(demonstrate(runs, sc, notes, list(compare)))
     lines += ["## Runs", ""]
     for run in runs:
-        lines += [f"### {run.label}", "", f"Log: `{run.path}`", "", md_table(["", ""], header_facts(run)), "",
-                  "Process topology:", "", "```", topology_text(*run.config), "```", ""]
+        lines += [
+            f"### {run.label}",
+            "",
+            f"Log: `{run.path}`",
+            "",
+            md_table(["", ""], header_facts(run)),
+            "",
+            "Process topology:",
+            "",
+            "```",
+            topology_text(*run.config),
+            "```",
+            "",
+        ]
         if run.config in topology_png:
             lines += [f"![process topology of {md_cell(run.label)}]({topology_png[run.config].name})", ""]
         lines += [epoch_table(run), ""] + [f"- {note}" for note in run.notes] + ([""] if run.notes else [])
@@ -1138,21 +1544,42 @@ def write_report(runs: list[Run], out_dir, figures: bool = True, notes: dict | N
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cifar_wrn.report",
-                                description="The course's report (R3, Demonstrate 1-6) from run logs: tables, "
-                                            "scaling numbers and figures.")
-    p.add_argument("logs", nargs="+", metavar="RUN", help="a run folder (runs/<name>/, holding the log.jsonl the "
-                   "trainers write) or a log file (--log-json PATH); one run each")
+    p = argparse.ArgumentParser(
+        prog="python -m cifar_wrn.report",
+        description="The course's report (R3, Demonstrate 1-6) from run logs: tables, scaling numbers and figures.",
+    )
+    p.add_argument(
+        "logs",
+        nargs="+",
+        metavar="RUN",
+        help="a run folder (runs/<name>/, holding the log.jsonl the "
+        "trainers write) or a log file (--log-json PATH); one run each",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for report.md and the PNG figures")
     p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
-    p.add_argument("--pdf", metavar="FILE", help="also write the course's R3 report, at most 4 pages, to FILE (needs "
-                                                 "fpdf2, the extra `pdf`; the figures need matplotlib)")
-    p.add_argument("--caption", metavar="TEXT", help="with --pdf: a line under the title (what the runs are, where "
-                                                     "they ran)")
-    p.add_argument("--notes", metavar="NOTES.yaml", help=f"your own explanations for the report's slots ({NOTES_HELP})"
-                                                         "; docs/report-example/notes.yaml shows the form")
-    p.add_argument("--compare", nargs=2, action="append", default=[], metavar=("BEFORE", "AFTER"),
-                   help="an optimisation's before/after: your runs (folders or logs) without and with it (repeatable)")
+    p.add_argument(
+        "--pdf",
+        metavar="FILE",
+        help="also write the course's R3 report, at most 4 pages, to FILE (needs "
+        "fpdf2, the extra `pdf`; the figures need matplotlib)",
+    )
+    p.add_argument(
+        "--caption", metavar="TEXT", help="with --pdf: a line under the title (what the runs are, where they ran)"
+    )
+    p.add_argument(
+        "--notes",
+        metavar="NOTES.yaml",
+        help=f"your own explanations for the report's slots ({NOTES_HELP})"
+        "; docs/report-example/notes.yaml shows the form",
+    )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("BEFORE", "AFTER"),
+        help="an optimisation's before/after: your runs (folders or logs) without and with it (repeatable)",
+    )
     return p.parse_args(argv)
 
 
@@ -1163,22 +1590,39 @@ def main(argv=None) -> int:
             raise UserError("--caption is for the PDF: give --pdf FILE too")
         if args.pdf:
             from .report_pdf import MAX_PAGES, load_fpdf, write_pdf
+
             load_fpdf()  # before any work: without fpdf2, one line saying how to install it
         runs = [read_run(path) for path in args.logs]
         compare = [(read_run(before), read_run(after)) for before, after in args.compare]
         notes = read_notes(args.notes, runs)
-        report, figures, skipped = write_report(runs, args.out, figures=not args.no_figures, notes=notes,
-                                                compare=compare)
-        print(f"wrote {report}" + (f" and {len(figures)} figure(s)" if figures else "")
-              + (f" (figures skipped: {skipped})" if skipped else ""))
+        report, figures, skipped = write_report(
+            runs, args.out, figures=not args.no_figures, notes=notes, compare=compare
+        )
+        print(
+            f"wrote {report}"
+            + (f" and {len(figures)} figure(s)" if figures else "")
+            + (f" (figures skipped: {skipped})" if skipped else "")
+        )
         if args.pdf:
-            shown = {"accuracy": report.parent / "accuracy_vs_time.png",
-                     "topology": report.parent / topology_name(main_run(runs).config)}
-            pages = write_pdf(pdf_content(runs, notes, compare), args.pdf,
-                              {k: v for k, v in shown.items() if v in figures}, skipped, args.caption)
-            print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + (
-                f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES
-                else ""))
+            shown = {
+                "accuracy": report.parent / "accuracy_vs_time.png",
+                "topology": report.parent / topology_name(main_run(runs).config),
+            }
+            pages = write_pdf(
+                pdf_content(runs, notes, compare),
+                args.pdf,
+                {k: v for k, v in shown.items() if v in figures},
+                skipped,
+                args.caption,
+            )
+            print(
+                f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})"
+                + (
+                    f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time"
+                    if pages > MAX_PAGES
+                    else ""
+                )
+            )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,18 +12,33 @@ fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure P
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
 (a small PDF), and the PDF's text stays extractable, so the tests read it back (pypdf).
 """
+
 from pathlib import Path
 
 from .errors import UserError
 
-MAX_PAGES = 4                         # the course's limit
+MAX_PAGES = 4  # the course's limit
 INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"
 YOU_WRITE = "[you write"  # how every slot starts: "[you write: ...]"
 GREY, RED, DARK = (110, 110, 110), (170, 40, 40), (30, 30, 30)
 # The PDF's core fonts (no font files to embed: a small PDF) cover Latin-1; the few other characters the
 # report uses are spelled out.
-PLAIN = str.maketrans({"–": "-", "—": "-", "−": "-", "≥": ">=", "≤": "<=", "×": "x", "→": "->", "⇒": "=>",
-                       "…": "...", "’": "'", "“": '"', "”": '"'})
+PLAIN = str.maketrans(
+    {
+        "–": "-",
+        "—": "-",
+        "−": "-",
+        "≥": ">=",
+        "≤": "<=",
+        "×": "x",
+        "→": "->",
+        "⇒": "=>",
+        "…": "...",
+        "’": "'",
+        "“": '"',
+        "”": '"',
+    }
+)
 
 
 def latin1(text) -> str:
@@ -43,11 +58,11 @@ class Layout:
     """Sizes in mm and points; `compact` shrinks them when the normal ones need more than MAX_PAGES."""
 
     def __init__(self, compact: bool):
-        self.body = 8.5 if compact else 9.0         # body text, points
-        self.table = 7.0 if compact else 7.5        # table text, points
-        self.line = 3.6 if compact else 4.0         # a line of text, mm
-        self.accuracy_w = 96 if compact else 104    # accuracy figure width, mm
-        self.topology_w = 66 if compact else 74     # topology figure width, mm
+        self.body = 8.5 if compact else 9.0  # body text, points
+        self.table = 7.0 if compact else 7.5  # table text, points
+        self.line = 3.6 if compact else 4.0  # a line of text, mm
+        self.accuracy_w = 96 if compact else 104  # accuracy figure width, mm
+        self.topology_w = 66 if compact else 74  # topology figure width, mm
 
 
 def _document(FPDF, sources: str):
@@ -56,8 +71,9 @@ def _document(FPDF, sources: str):
             self.set_y(-10)
             self.set_font("Helvetica", "", 7)
             self.set_text_color(*GREY)
-            self.cell(0, 4, latin1(f"python -m cifar_wrn.report {sources}  |  page {self.page_no()} of "
-                                   "{nb}"), align="C")
+            self.cell(
+                0, 4, latin1(f"python -m cifar_wrn.report {sources}  |  page {self.page_no()} of {{nb}}"), align="C"
+            )
 
     pdf = Report(format="A4", unit="mm")
     pdf.set_margins(14, 12, 14)
@@ -69,7 +85,7 @@ def _document(FPDF, sources: str):
 
 
 def _heading(pdf, text: str) -> None:
-    if pdf.get_y() > pdf.h - 40:                # never a heading alone at the foot of a page
+    if pdf.get_y() > pdf.h - 40:  # never a heading alone at the foot of a page
         pdf.add_page()
     pdf.ln(2)
     pdf.set_font("Helvetica", "B", 11.5)
@@ -87,12 +103,18 @@ def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -
 def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: float | None = None) -> None:
     """A table with `head` as headings; a cell that is a slot ([you write: ...]) is the student's, marked."""
     from fpdf.fonts import FontFace
+
     size = size or lay.table
     pdf.set_font("Helvetica", "", size)
     pdf.set_text_color(*DARK)
     mine = FontFace(emphasis="ITALICS", color=RED)
-    with pdf.table(col_widths=widths, text_align="LEFT", line_height=size * 0.47, padding=0.8,
-                   headings_style=FontFace(emphasis="BOLD", fill_color=(228, 234, 242))) as table:
+    with pdf.table(
+        col_widths=widths,
+        text_align="LEFT",
+        line_height=size * 0.47,
+        padding=0.8,
+        headings_style=FontFace(emphasis="BOLD", fill_color=(228, 234, 242)),
+    ) as table:
         row = table.row()
         for cell in head:
             row.cell(latin1(cell))
@@ -107,7 +129,7 @@ def _printed_log(pdf, lay: Layout, run, lines: list[str]) -> None:
     """The epoch lines as printed, in a monospace font sized so the longest fits on one line; where the run
     was resumed, a marked note (not part of the printed output) between them."""
     longest = max((len(line) for line in lines), default=1)
-    size = min(8.0, pdf.epw / (0.6 * longest) * 72 / 25.4)   # Courier: every character is 0.6 em wide
+    size = min(8.0, pdf.epw / (0.6 * longest) * 72 / 25.4)  # Courier: every character is 0.6 em wide
     resumes = list(run.resumes)
     for i, line in enumerate(lines):
         epoch = run.epochs[i] if i < len(run.epochs) else None
@@ -121,16 +143,30 @@ def _printed_log(pdf, lay: Layout, run, lines: list[str]) -> None:
     for segment in resumes:
         _resume_note(pdf, lay, segment)
     if len(lines) == len(run.epochs):  # no final line
-        _text(pdf, lay, "[the log ends here, with no final line: the run had not finished, or it was stopped]",
-              "I", GREY, size=lay.table)
+        _text(
+            pdf,
+            lay,
+            "[the log ends here, with no final line: the run had not finished, or it was stopped]",
+            "I",
+            GREY,
+            size=lay.table,
+        )
 
 
 def _resume_note(pdf, lay: Layout, segment) -> None:
     pdf.set_font("Helvetica", "I", lay.table)
     pdf.set_text_color(*GREY)
-    pdf.cell(0, lay.table * 0.47, latin1(f"    [not printed by the run: stopped here, resumed at {segment.where()} "
-                                          f"(log line {segment.line}); the resumed process printed its "
-                                          f"'Resuming from ...' line here]"), new_x="LMARGIN", new_y="NEXT")
+    pdf.cell(
+        0,
+        lay.table * 0.47,
+        latin1(
+            f"    [not printed by the run: stopped here, resumed at {segment.where()} "
+            f"(log line {segment.line}); the resumed process printed its "
+            f"'Resuming from ...' line here]"
+        ),
+        new_x="LMARGIN",
+        new_y="NEXT",
+    )
 
 
 def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, skipped: str | None) -> None:
@@ -139,6 +175,7 @@ def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, ski
         _text(pdf, lay, f"Figures skipped: {skipped or 'no epoch records'}.", "I", RED)
         return
     from PIL import Image  # matplotlib, which drew them, depends on Pillow
+
     sized = []
     for path, width in ((accuracy, lay.accuracy_w), (topology, lay.topology_w)):
         if path:
@@ -173,8 +210,14 @@ def _blocks(pdf, lay: Layout, blocks: list[tuple]) -> None:
         elif block[0] == "p":
             _text(pdf, lay, _plain(block[1]), size=lay.table + 0.5)
         elif block[0] == "table":
-            _table(pdf, lay, block[1], [[_plain(str(c)) for c in row] for row in block[2]],
-                   tuple(pdf.epw / len(block[1]) for _ in block[1]), size=lay.table - 0.5)
+            _table(
+                pdf,
+                lay,
+                block[1],
+                [[_plain(str(c)) for c in row] for row in block[2]],
+                tuple(pdf.epw / len(block[1]) for _ in block[1]),
+                size=lay.table - 0.5,
+            )
         else:
             _code(pdf, block[1])
 
@@ -194,19 +237,36 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
 
     pdf.set_font("Helvetica", "B", 14)
     pdf.set_text_color(*DARK)
-    pdf.multi_cell(0, 7, "Distributed data-parallel training of a WideResNet on CIFAR-10: report",
-                   new_x="LMARGIN", new_y="NEXT")
-    _text(pdf, lay, "From the run logs " + ", ".join(f"{r.label} ({r.path})" for r in runs)
-          + f". The run shown in sections 2 and 4: {run.label}.", color=GREY)
+    pdf.multi_cell(
+        0, 7, "Distributed data-parallel training of a WideResNet on CIFAR-10: report", new_x="LMARGIN", new_y="NEXT"
+    )
+    _text(
+        pdf,
+        lay,
+        "From the run logs "
+        + ", ".join(f"{r.label} ({r.path})" for r in runs)
+        + f". The run shown in sections 2 and 4: {run.label}.",
+        color=GREY,
+    )
     if caption:
         _text(pdf, lay, caption, "B")
-    _text(pdf, lay, "Text marked [you write: ...] is yours to write (or give it with --notes notes.yaml): this "
-                    "report states facts from the logs and the code, never the explanations.", "I", RED)
+    _text(
+        pdf,
+        lay,
+        "Text marked [you write: ...] is yours to write (or give it with --notes notes.yaml): this "
+        "report states facts from the logs and the code, never the explanations.",
+        "I",
+        RED,
+    )
 
     _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
-    _text(pdf, lay, f"Line numbers of the raw_ddp.py this report ships with (commit "
-                    f"{content.commit}; the run's log names commit {content.run_commit}). Each process is pinned "
-                    f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.")
+    _text(
+        pdf,
+        lay,
+        f"Line numbers of the raw_ddp.py this report ships with (commit "
+        f"{content.commit}; the run's log names commit {content.run_commit}). Each process is pinned "
+        f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.",
+    )
     pdf.ln(1)
     rows = content.steps
     pdf.set_font("Helvetica", "", lay.table)
@@ -215,9 +275,13 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
 
     _heading(pdf, f"2. The {who} run's epoch log, as printed by rank 0")
     per_node = "GPU(s)" if cuda else "CPU process(es)"
-    _text(pdf, lay, f"{run.label}: {run.num_nodes} node(s) x {run.num_gpus} {per_node} per node = world size "
-                    f"{run.world_size}, {run.header['backend']} on {run.header['device']}; log {run.path}."
-                    + (f" Resumed {content.resumed}." if content.resumed else ""))
+    _text(
+        pdf,
+        lay,
+        f"{run.label}: {run.num_nodes} node(s) x {run.num_gpus} {per_node} per node = world size "
+        f"{run.world_size}, {run.header['backend']} on {run.header['device']}; log {run.path}."
+        + (f" Resumed {content.resumed}." if content.resumed else ""),
+    )
     for note in run.notes:
         _text(pdf, lay, f"Note: {note}.", "I")
     pdf.ln(1)
@@ -244,8 +308,9 @@ def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | 
     path = Path(path)
     sources = " ".join(str(r.path) for r in content.runs)
     for compact in (False, True):
-        pdf = build(content, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."),
-                    caption)
+        pdf = build(
+            content, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."), caption
+        )
         if pdf.page_no() <= MAX_PAGES:
             break
     try:

@@ -16,6 +16,7 @@ of 9.5 s (the real model on 2 CPU processes) would lose the epoch. The interval 
 agreed: each rank times its own steps between agreements, the agreement carries every rank's time
 per step, and every rank picks the next interval from the slowest one, so all ranks pick the same.
 """
+
 import signal
 import time
 
@@ -24,8 +25,8 @@ import torch
 from .errors import RunStopped
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a temporary failure, try again; the Slurm scripts requeue on it
-CHECK_EVERY = 10     # the most steps between agreements (each one costs a GPU synchronisation)
-STOP_LATENCY = 2.0   # seconds: the agreement interval is the longest of INTERVALS whose steps fit in it
+CHECK_EVERY = 10  # the most steps between agreements (each one costs a GPU synchronisation)
+STOP_LATENCY = 2.0  # seconds: the agreement interval is the longest of INTERVALS whose steps fit in it
 INTERVALS = (10, 5, 2, 1)  # divisors of CHECK_EVERY: every 10th step stays an agreement step (progress.py)
 
 _stop_requested = False
@@ -72,8 +73,7 @@ class StepGuard:
         in place (dist.all_reduce) or return the result (accelerator.reduce). Returns True when the ranks
         agreed to stop for a signal (the caller checkpoints); raises RunStopped on a non-finite loss."""
         first_bad = self.flags[1 + self.rank]
-        self.flags[1 + self.rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1,
-                                                first_bad)
+        self.flags[1 + self.rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1, first_bad)
         if (step + 1) % self.every and step + 1 != steps_per_epoch:
             return False
         flags = self.flags.clone()
@@ -83,22 +83,29 @@ class StepGuard:
         agreed = agree(flags)
         agreed = (flags if agreed is None else agreed).tolist()  # the same answer on every rank; waits for it
         self.since = (epoch, step, self.clock())
-        seconds_per_step = max(agreed[1 + self.world_size:])
+        seconds_per_step = max(agreed[1 + self.world_size :])
         if seconds_per_step > 0:
             self.every = next((n for n in INTERVALS if n * seconds_per_step <= STOP_LATENCY), 1)
         bad = {r: int(agreed[1 + r]) for r in range(self.world_size) if agreed[1 + r] > 0}
         if bad:
-            raise RunStopped(f"non-finite loss in epoch {epoch + 1} on rank(s) "
-                             f"{', '.join(f'{r} (first at step {s})' for r, s in bad.items())}: "
-                             f"training diverged (try a lower learning rate or a longer warmup); "
-                             f"every rank stopped at step {step + 1}", 1)
+            raise RunStopped(
+                f"non-finite loss in epoch {epoch + 1} on rank(s) "
+                f"{', '.join(f'{r} (first at step {s})' for r, s in bad.items())}: "
+                f"training diverged (try a lower learning rate or a longer warmup); "
+                f"every rank stopped at step {step + 1}",
+                1,
+            )
         return agreed[0] > 0
 
 
 def preempted(epoch: int, step: int, checkpoint_written: str | None) -> RunStopped:
     """The exception every rank raises after the agreed stop (and the checkpoint, when there is a folder)."""
     if checkpoint_written is None:
-        return RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; nothing saved "
-                          f"(no --checkpoint-dir)", 1)
-    return RunStopped(f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written to "
-                      f"{checkpoint_written}; rerun with --resume to continue", PREEMPTED_EXIT)
+        return RunStopped(
+            f"stopped by a signal at epoch {epoch + 1}, step {step + 1}; nothing saved (no --checkpoint-dir)", 1
+        )
+    return RunStopped(
+        f"stopped by a signal at epoch {epoch + 1}, step {step + 1}: checkpoint written to "
+        f"{checkpoint_written}; rerun with --resume to continue",
+        PREEMPTED_EXIT,
+    )

@@ -1,4 +1,5 @@
 """What a run writes: the course-style epoch line and a JSON-lines log (header, then one object per epoch)."""
+
 import dataclasses
 import json
 import os
@@ -31,26 +32,31 @@ def git_commit() -> str:
 def epoch_line(m: dict) -> str:
     """The course's epoch line; on its own line after it, the safety net's note when it fired at this epoch
     (Progress.end_epoch), so that a parser of the course lines sees them unchanged."""
-    line = (f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
-            f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
-            f"Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}")
+    line = (
+        f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
+        f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
+        f"Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}"
+    )
     if "safety_net" not in m:
         return line
     net = m["safety_net"]
-    return (f"{line}\nSafety net: the target was met {net['streak']} of {net['patience']} epochs in a row when the "
-            f"{net['budget']}-epoch budget ended; training on for up to {net['extra_epochs']} more epoch(s), "
-            f"each at the learning rates of epoch {net['budget']} (recipe key extra_epochs)")
+    return (
+        f"{line}\nSafety net: the target was met {net['streak']} of {net['patience']} epochs in a row when the "
+        f"{net['budget']}-epoch budget ended; training on for up to {net['extra_epochs']} more epoch(s), "
+        f"each at the learning rates of epoch {net['budget']} (recipe key extra_epochs)"
+    )
 
 
 @dataclass
 class Progress:
     """Where a run stands: what a checkpoint stores besides the weights (under these same keys)."""
-    epoch: int = 0                    # the epoch to run next (0-based) ...
-    step: int = 0                     # ... and how many of its steps are already done (a mid-epoch checkpoint)
-    epoch_time_so_far: float = 0.0    # training seconds of those steps
-    cumulative_time: float = 0.0      # training seconds of every finished epoch (validation excluded)
+
+    epoch: int = 0  # the epoch to run next (0-based) ...
+    step: int = 0  # ... and how many of its steps are already done (a mid-epoch checkpoint)
+    epoch_time_so_far: float = 0.0  # training seconds of those steps
+    cumulative_time: float = 0.0  # training seconds of every finished epoch (validation excluded)
     history: list = field(default_factory=list)  # each finished epoch's metrics
-    streak: int = 0                   # consecutive epochs at or above the target accuracy
+    streak: int = 0  # consecutive epochs at or above the target accuracy
 
     @classmethod
     def of(cls, checkpoint: dict) -> "Progress":
@@ -75,8 +81,12 @@ class Progress:
             metrics["extra_epoch"] = self.epoch - recipe.epochs
         done = self.streak >= recipe.patience
         if not done and self.epoch == recipe.epochs and self.safety_net_open(recipe):
-            metrics["safety_net"] = {"budget": recipe.epochs, "extra_epochs": recipe.extra_epochs,
-                                     "streak": self.streak, "patience": recipe.patience}
+            metrics["safety_net"] = {
+                "budget": recipe.epochs,
+                "extra_epochs": recipe.extra_epochs,
+                "streak": self.streak,
+                "patience": recipe.patience,
+            }
         return done
 
     def safety_net_open(self, recipe) -> bool:
@@ -99,13 +109,21 @@ def final_line(progress: Progress, recipe, stopped_early: bool) -> str:
     if stopped_early:
         note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
         return f"Early stopping after epoch {progress.epoch}{note}"
-    return (f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row within "
-            f"{recipe.epochs} epochs" + (f" and {extra} safety-net epoch(s)" if extra > 0 else ""))
+    return (
+        f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row within "
+        f"{recipe.epochs} epochs" + (f" and {extra} safety-net epoch(s)" if extra > 0 else "")
+    )
 
 
 def run_header(**fields) -> dict:
-    return {"kind": "header", "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": platform.node(),
-            "git_commit": git_commit(), "torch_version": torch.__version__, **fields}
+    return {
+        "kind": "header",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hostname": platform.node(),
+        "git_commit": git_commit(),
+        "torch_version": torch.__version__,
+        **fields,
+    }
 
 
 def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
@@ -124,21 +142,36 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int,
-                 **launch) -> "JsonLog":
+def open_run_log(
+    path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
+) -> "JsonLog":
     """Rank 0's JSON-lines log (path None on the other ranks; appended to after a resume), opened with its
     header: how the run was launched (`launch`), its data, model, learning rate and resolved recipe,
     the git commit and torch version."""
     from .model import COURSE_WIDTH, count_parameters
+
     log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
     if path:
         print(f"Run log: {path}", flush=True)
-    log.write(run_header(
-        world_size=world_size, **launch, per_device_batch_size=recipe.batch_size,
-        global_batch_size=recipe.batch_size * world_size, lr=lr, steps_per_epoch=data.steps_per_epoch,
-        train_images=len(data.train_set), val_images=data.val_images, model_width=model_width,
-        model_parameters=count_parameters(raw_model), recipe=dataclasses.asdict(recipe), argv=sys.argv,
-        resumed_at={"epoch": progress.epoch + 1, "step": progress.step} if progress.epoch or progress.step else None))
+    log.write(
+        run_header(
+            world_size=world_size,
+            **launch,
+            per_device_batch_size=recipe.batch_size,
+            global_batch_size=recipe.batch_size * world_size,
+            lr=lr,
+            steps_per_epoch=data.steps_per_epoch,
+            train_images=len(data.train_set),
+            val_images=data.val_images,
+            model_width=model_width,
+            model_parameters=count_parameters(raw_model),
+            recipe=dataclasses.asdict(recipe),
+            argv=sys.argv,
+            resumed_at={"epoch": progress.epoch + 1, "step": progress.step}
+            if progress.epoch or progress.step
+            else None,
+        )
+    )
     if path and model_width != COURSE_WIDTH:
         print(f"note: --model-width {model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
     return log

@@ -11,6 +11,7 @@ As in pytest's documented `--runslow` example, `python -m pytest` skips the slow
 them all. The tests that use the real Slurm cluster (the `cluster` fixture: daemons, as root) are marked `slurm`
 and run only with `--slurm`; asked for, a cluster that cannot start fails them instead of skipping them.
 """
+
 import atexit
 import inspect
 import multiprocessing.process
@@ -58,8 +59,11 @@ def _starts_processes(obj, seen: set) -> bool:
         return False
     seen.add(id(obj))
     if inspect.isclass(obj):
-        return any(_starts_processes(member, seen) for member in vars(obj).values()
-                   if inspect.isfunction(member) or isinstance(member, (property, staticmethod, classmethod)))
+        return any(
+            _starts_processes(member, seen)
+            for member in vars(obj).values()
+            if inspect.isfunction(member) or isinstance(member, (property, staticmethod, classmethod))
+        )
     if isinstance(obj, property):
         return _starts_processes(obj.fget, seen)
     if isinstance(obj, (staticmethod, classmethod)):
@@ -82,11 +86,19 @@ def _starts_processes(obj, seen: set) -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="run every test that starts a process, not only those marked core (the full suite)")
-    parser.addoption("--slurm", action="store_true", default=False,
-                     help="run the tests under a real Slurm: starts munged, slurmctld and two slurmd daemons (root, "
-                          "Debian's slurm and munge packages installed); they fail if it cannot start")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="run every test that starts a process, not only those marked core (the full suite)",
+    )
+    parser.addoption(
+        "--slurm",
+        action="store_true",
+        default=False,
+        help="run the tests under a real Slurm: starts munged, slurmctld and two slurmd daemons (root, "
+        "Debian's slurm and munge packages installed); they fail if it cannot start",
+    )
 
 
 def skip_unasked(config, item):
@@ -106,10 +118,15 @@ PER_WORKER = {"cluster"}
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fixtures = [(name, d) for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
-                    if name != "no_process_in_the_fast_tier"]
-        if any(_starts_processes(f, set()) for f in [getattr(item, "function", None), *(d.func for _, d in fixtures)]
-               if f):
+        fixtures = [
+            (name, d)
+            for name, defs in item._fixtureinfo.name2fixturedefs.items()
+            for d in defs
+            if name != "no_process_in_the_fast_tier"
+        ]
+        if any(
+            _starts_processes(f, set()) for f in [getattr(item, "function", None), *(d.func for _, d in fixtures)] if f
+        ):
             item.add_marker(pytest.mark.slow)
         if "cluster" in item.fixturenames:  # tests/test_slurm.py's session cluster: real daemons
             item.add_marker(pytest.mark.slurm)
@@ -117,16 +134,22 @@ def pytest_collection_modifyitems(config, items):
     # A module- or session-wide fixture that starts a run is built once per pytest-xdist worker: the tests that
     # share one go to the same worker (--dist loadgroup), so that it is built once, not once per worker. A test
     # that uses two such fixtures joins their groups into one (else it would form a third group of its own).
-    shared = {item: {f"{Path(inspect.getfile(d.func)).stem}.{name}" for name, defs in
-                     item._fixtureinfo.name2fixturedefs.items() for d in defs
-                     if d.scope in ("module", "session") and name not in PER_WORKER and _starts_processes(d.func, set())}
-              for item in items}
+    shared = {
+        item: {
+            f"{Path(inspect.getfile(d.func)).stem}.{name}"
+            for name, defs in item._fixtureinfo.name2fixturedefs.items()
+            for d in defs
+            if d.scope in ("module", "session") and name not in PER_WORKER and _starts_processes(d.func, set())
+        }
+        for item in items
+    }
     parent = {}
 
     def root(name):  # union-find over the fixtures: used together by one test -> one group
         while parent.setdefault(name, name) != name:
             name = parent[name]
         return name
+
     for names in shared.values():
         for name in names:
             parent[root(name)] = root(min(names))
@@ -136,24 +159,34 @@ def pytest_collection_modifyitems(config, items):
     # Longest first: the Slurm jobs that train (minutes each, much of it waiting on the scheduler), then the other
     # tests that start processes, then those that start none; otherwise a job started last keeps one worker busy
     # while the others idle. (A stable sort: each file's tests keep their order.)
-    items.sort(key=lambda item: 0 if {"cluster", "cifar_dir"} <= set(item.fixturenames)
-               else 1 if item.get_closest_marker("slow") else 2)
+    items.sort(
+        key=lambda item: (
+            0 if {"cluster", "cifar_dir"} <= set(item.fixturenames) else 1 if item.get_closest_marker("slow") else 2
+        )
+    )
 
 
 @pytest.fixture(autouse=True)
 def no_process_in_the_fast_tier(request, monkeypatch):
     """A test not marked slow must not start a process: fail at once, before anything starts."""
     if request.node.get_closest_marker("slow") is None:
+
         def refuse(*args, **kwargs):
-            pytest.fail(f"{request.node.nodeid} starts a process but is not marked slow (conftest.py did not see "
-                        f"it reach subprocess or multiprocessing): mark it @pytest.mark.slow", pytrace=True)
+            pytest.fail(
+                f"{request.node.nodeid} starts a process but is not marked slow (conftest.py did not see "
+                f"it reach subprocess or multiprocessing): mark it @pytest.mark.slow",
+                pytrace=True,
+            )
+
         monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         monkeypatch.setattr(os, "fork", refuse)
         monkeypatch.setattr(os, "posix_spawn", refuse)
         monkeypatch.setattr(os, "system", refuse)
-PER_TRAIN_FILE = 64            # 5 files -> 320 training images
-VAL_IMAGES = 101               # odd on purpose: DistributedSampler must pad it for 2 ranks
+
+
+PER_TRAIN_FILE = 64  # 5 files -> 320 training images
+VAL_IMAGES = 101  # odd on purpose: DistributedSampler must pad it for 2 ranks
 TRAIN_IMAGES = 5 * PER_TRAIN_FILE
 
 
@@ -199,8 +232,11 @@ class Result:
 
 
 def cpu_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in
-           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
     # Every Python process started with this environment collects garbage less often, and not at exit
     # (tests/lean_gc/sitecustomize.py): a quarter of the CPU time a test run of raw_ddp.py costs.
@@ -211,8 +247,15 @@ def cpu_env(**extra) -> dict:
 
 def start(cmd, env=None, cwd=REPO) -> subprocess.Popen:
     """A new session, so that a timeout can kill the launcher and every rank it spawned (kill_all)."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env or cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill_all(proc: subprocess.Popen) -> None:
@@ -220,6 +263,7 @@ def kill_all(proc: subprocess.Popen) -> None:
     is not enough: torchrun's agent (which accelerate launch runs too) starts each rank in a session of its own,
     and a rank left alive holds the test's pipes open, so that communicate() would wait for it, a hang."""
     import psutil
+
     try:
         descendants = psutil.Process(proc.pid).children(recursive=True)  # before the kill orphans them
     except psutil.Error:
@@ -234,6 +278,7 @@ def kill_all(proc: subprocess.Popen) -> None:
 
 def finish(proc: subprocess.Popen, timeout: float) -> Result:
     import time
+
     t0 = time.monotonic()
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -260,11 +305,35 @@ def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     """One plain 2-process run, shared by the tests that only read what it printed and wrote: (result, folder
     holding w.pt and log.jsonl). 2 epochs: at most 6, stopped early by a target of 0 with patience 2."""
     out = tmp_path_factory.mktemp("run")
-    result = raw_ddp("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY, "--data-dir", cifar_dir,
-                     "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
-                     "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2,
-                     "--set", "momentum=0.9", "--base-lr", 0.02,  # learns in 10 steps
-                     "--save", out / "w.pt", "--log-json", out / "log.jsonl")
+    result = raw_ddp(
+        "--num-nodes",
+        1,
+        "--node-id",
+        0,
+        "--num-gpus",
+        2,
+        *TINY,
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--epochs",
+        6,
+        "--target-accuracy",
+        0.0,
+        "--patience",
+        2,
+        "--set",
+        "momentum=0.9",
+        "--base-lr",
+        0.02,  # learns in 10 steps
+        "--save",
+        out / "w.pt",
+        "--log-json",
+        out / "log.jsonl",
+    )
     return result, out
 
 
@@ -272,6 +341,7 @@ def wait_for_epoch(log_path, timeout=120, text='"kind": "epoch"'):
     """Block until a run's JSON log holds its first epoch record (then signal it mid-run); with `text`, until
     the log holds that text (the first record that says so)."""
     import time
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if log_path.exists() and text in log_path.read_text():
@@ -284,6 +354,7 @@ def check_profile(log_path, trace_dir):
     """--profile records: every phase, non-negative, summing to the epoch time within 5%; one trace per rank."""
     from cifar_wrn.profiling import PHASES
     from cifar_wrn.runlog import read_log
+
     _, epochs = read_log(log_path)
     for e in epochs:
         assert set(e["profile"]) == set(PHASES) and all(v >= 0 for v in e["profile"].values())
@@ -297,18 +368,26 @@ def check_profile(log_path, trace_dir):
 def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
     """The last logged validation metrics (bf16, flip and 1-pixel shift TTA) equal one process evaluating the saved
     weights."""
-    import torch
     from torch.utils.data import BatchSampler, DataLoader
+
     from cifar_wrn.data import DeviceBatches, evaluate, load_split
     from cifar_wrn.model import WideResNet
     from cifar_wrn.runlog import read_log
+
     _, epochs = read_log(log_path)
     model = WideResNet(width=4)
     model.load_state_dict(torch.load(weights_path))
     val = DeviceBatches(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), "cpu", augment=False)
     loader = DataLoader(val, batch_size=None, sampler=BatchSampler(range(VAL_IMAGES), 50, drop_last=False))
-    totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"),
-                      torch.bfloat16, tta_flip=True, tta_translate=1)
+    totals = evaluate(
+        model,
+        loader,
+        torch.ones(VAL_IMAGES, dtype=torch.bool),
+        torch.device("cpu"),
+        torch.bfloat16,
+        tta_flip=True,
+        tta_translate=1,
+    )
     assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
 
@@ -317,19 +396,25 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
     """The saved network's BatchNorm statistics are its own: re-estimating them (32 per batch, bf16 and
     channels_last, as the tests' fast recipe runs) on each rank's recalibration images and averaging over
     the ranks (bench/eval_variants.py's `recalibrated`) gives them back."""
-    import torch
+
     sys.path.insert(0, str(REPO / "bench"))
     from eval_variants import recalibrated
+
     from cifar_wrn.data import DeviceBatches, load_split
     from cifar_wrn.model import WideResNet
     from cifar_wrn.recipe import load_recipe
+
     saved = WideResNet(width=4)
     saved.load_state_dict(torch.load(weights_path))
     train_set = DeviceBatches(*load_split(cifar_dir, train=True, subset=TRAIN_IMAGES), "cpu", augment=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the threads of each of the run's processes on 2 cores: bf16 rounds the same way
-    again = recalibrated(saved.to(memory_format=torch.channels_last), train_set,
-                         load_recipe("fast", {"batch_size": 32, "bn_recalibration": images}), world_size)
+    again = recalibrated(
+        saved.to(memory_format=torch.channels_last),
+        train_set,
+        load_recipe("fast", {"batch_size": 32, "bn_recalibration": images}),
+        world_size,
+    )
     torch.set_num_threads(threads)
     for key, expected in again.state_dict().items():
         if "running" in key:
@@ -342,6 +427,7 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
 def check_slow_bf16_warning(stderr: str):
     """A bf16 run on this CPU warned once (per node) where the CPU lacks bfloat16 kernels, and not otherwise."""
     from cifar_wrn.recipe import slow_bf16_warning
+
     warning = slow_bf16_warning("cpu", "bf16")
     if warning:
         assert stderr.count(warning) == 1, stderr[-3000:]
@@ -352,7 +438,7 @@ def check_slow_bf16_warning(stderr: str):
 def check_residual_bn_init(weights_path, gamma: float):
     """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
     import re
-    import torch
+
     state = torch.load(weights_path)
     last = {k for k in state if re.fullmatch(r"features\.\d+\.body\.2\.1\.weight", k)}
     others = {k for k in state if k.endswith(".weight") and state[k].ndim == 1} - last
@@ -363,16 +449,28 @@ def check_residual_bn_init(weights_path, gamma: float):
 
 def parameter_distance(weights_a, weights_b, width: int = 4) -> float:
     """L2 distance between the trainable parameters (not the BatchNorm buffers) of two saved state_dicts."""
-    import torch
     from cifar_wrn.model import WideResNet
+
     a, b = torch.load(weights_a), torch.load(weights_b)
     names = [name for name, _ in WideResNet(width=width).named_parameters()]
     return sum(((a[n].double() - b[n].double()) ** 2).sum() for n in names).sqrt().item()
 
 
 # One plain-SGD step (baseline: no momentum, no weight decay) of 2 x 16 images at a fixed learning rate.
-ONE_STEP = ["--recipe", "baseline", "--batch-size", 16, "--epochs", 1, "--train-subset", 32,
-            "--val-subset", VAL_IMAGES, "--set", "lr_scaling=none"]
+ONE_STEP = [
+    "--recipe",
+    "baseline",
+    "--batch-size",
+    16,
+    "--epochs",
+    1,
+    "--train-subset",
+    32,
+    "--val-subset",
+    VAL_IMAGES,
+    "--set",
+    "lr_scaling=none",
+]
 
 
 # ---- shared runs (speed-a)
@@ -381,38 +479,59 @@ ONE_STEP = ["--recipe", "baseline", "--batch-size", 16, "--epochs", 1, "--train-
 # into one (or only might write into it) copies its folder first; a test resuming raw_ddp.py's must pass
 # resume_flags, as the runs did: the checkpoint records the data and batch size and refuses others.
 
+
 def resume_flags(data_dir, *extra):
     """raw_ddp.py's flags for the shared runs, without --num-gpus (2 in the runs: two_nodes passes its own).
     --batch-size 4: 40 steps per epoch, so that a signal can stop a run in the middle of an epoch."""
-    return [*TINY, "--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
-            "--dist-timeout", 60, "--batch-size", 4, *extra]
+    return [
+        *TINY,
+        "--data-dir",
+        data_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--dist-timeout",
+        60,
+        "--batch-size",
+        4,
+        *extra,
+    ]
 
 
 @dataclass
 class ResumeRuns:
     checkpoint: Result  # raw_ddp.py --epochs 1 --auto-resume into an empty folder: folder/raw/ck, folder/raw/l.jsonl
-    straight: Result    # raw_ddp.py --epochs 2, never stopped: folder/straight/w.pt, folder/straight/l.jsonl
-    accel: Result       # accel_train.py --epochs 1 (test_accel.reliability_flags): folder/accel/ck
+    straight: Result  # raw_ddp.py --epochs 2, never stopped: folder/straight/w.pt, folder/straight/l.jsonl
+    accel: Result  # accel_train.py --epochs 1 (test_accel.reliability_flags): folder/accel/ck
     folder: Path
 
     def copy(self, name: str, into: Path) -> Path:
         """A test's own copy of folder/name, as into/<its last part>: to resume into, the shared runs unchanged."""
         import shutil
+
         return Path(shutil.copytree(self.folder / name, into / Path(name).name))
 
 
 @pytest.fixture(scope="session")
 def resume_runs(cifar_dir, tmp_path_factory) -> ResumeRuns:
     from test_accel import CONFIGS, accelerate_launch, reliability_flags
+
     folder = tmp_path_factory.mktemp("resume_runs")
     raw, straight = folder / "raw", folder / "straight"
     raw.mkdir()
     straight.mkdir()
-    procs = [start([sys.executable, "raw_ddp.py", "--num-gpus", 2, *resume_flags(cifar_dir, *extra)]) for extra in
-             (["--epochs", 1, "--checkpoint-dir", raw / "ck", "--auto-resume", "--log-json", raw / "l.jsonl"],
-              ["--epochs", 2, "--save", straight / "w.pt", "--log-json", straight / "l.jsonl"])]
-    accel = accelerate_launch(CONFIGS / "two_cpus.yaml",  # meanwhile, the raw runs go on
-                              *reliability_flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", folder / "accel" / "ck"))
+    procs = [
+        start([sys.executable, "raw_ddp.py", "--num-gpus", 2, *resume_flags(cifar_dir, *extra)])
+        for extra in (
+            ["--epochs", 1, "--checkpoint-dir", raw / "ck", "--auto-resume", "--log-json", raw / "l.jsonl"],
+            ["--epochs", 2, "--save", straight / "w.pt", "--log-json", straight / "l.jsonl"],
+        )
+    ]
+    accel = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",  # meanwhile, the raw runs go on
+        *reliability_flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", folder / "accel" / "ck"),
+    )
     runs = ResumeRuns(*(finish(p, 240) for p in procs), accel, folder)  # 240 s: three runs at once on a loaded machine
     for result in (runs.checkpoint, runs.straight, runs.accel):
         assert result.returncode == 0, result.stderr[-3000:]
@@ -421,6 +540,7 @@ def resume_runs(cifar_dir, tmp_path_factory) -> ResumeRuns:
 
 # ---- shared runs (speed-c)
 
+
 @pytest.fixture(scope="session")
 def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     """raw_ddp.py started by torchrun (2 processes), 2 epochs of a width-8 model in bf16 with --profile and
@@ -428,14 +548,42 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     tests/test_profile.py's profile test read it (one launch for both: the launcher does not matter to the
     profile, the profile not to the launch)."""
     out = tmp_path_factory.mktemp("torchrun_profile")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-                  "raw_ddp.py", *TINY, "--model-width", 8, "--set", "precision=bf16", "--data-dir", cifar_dir,
-                  "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--epochs", 2,
-                  "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl"], timeout=300)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            2,
+            "--master_port",
+            free_port(),
+            "raw_ddp.py",
+            *TINY,
+            "--model-width",
+            8,
+            "--set",
+            "precision=bf16",
+            "--data-dir",
+            cifar_dir,
+            "--train-subset",
+            TRAIN_IMAGES,
+            "--val-subset",
+            VAL_IMAGES,
+            "--epochs",
+            2,
+            "--profile",
+            "--trace",
+            out / "trace",
+            "--log-json",
+            out / "log.jsonl",
+        ],
+        timeout=300,
+    )
     return result, out
 
 
 # ---- shared runs (share-more)
+
 
 @pytest.fixture(scope="session")
 def rank_1_raises(cifar_dir) -> Result:
@@ -444,6 +592,18 @@ def rank_1_raises(cifar_dir) -> Result:
     test_rank_that_raises_ends_the_run_promptly, which launched it with the same flags. --dist-timeout 300: rank 0,
     were it left waiting, would wait that long, so each test's bound on the run's time tells. The timeout (240 s)
     only kills a hang; the tests assert their own bounds on result.seconds."""
-    return raw_ddp("--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES,
-                   "--val-subset", VAL_IMAGES, "--dist-timeout", 300, env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
-                   timeout=240)
+    return raw_ddp(
+        "--num-gpus",
+        2,
+        *TINY,
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--dist-timeout",
+        300,
+        env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
+        timeout=240,
+    )

@@ -7,6 +7,7 @@ Checks (results written as JSON to argv[1]):
 
 argv: result.json port [recipe keys as JSON, e.g. '{"muon": true}' (tests/test_levers.py)]
 """
+
 import json
 import os
 import sys
@@ -35,8 +36,9 @@ def bn_free_model() -> torch.nn.Module:
 
 def batches(rank: int):
     g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(STEPS)
+    ]
 
 
 def train(model, data, recipe):
@@ -55,8 +57,9 @@ def flat(model) -> torch.Tensor:
 
 def worker(rank: int, port: int, out: str, levers: dict):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     recipe = Recipe(momentum=0.9, weight_decay=1e-3, **levers)
     model = DDP(bn_free_model())
     identical = True
@@ -84,5 +87,9 @@ def worker(rank: int, port: int, out: str, levers: dict):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[2]), sys.argv[1], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}),
-             nprocs=2, join=True)
+    mp.spawn(
+        worker,
+        args=(int(sys.argv[2]), sys.argv[1], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}),
+        nprocs=2,
+        join=True,
+    )

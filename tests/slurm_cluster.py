@@ -35,6 +35,7 @@ default is 120 s), the scheduler looks at pending jobs every 2 s.
 Run by hand: `python tests/slurm_cluster.py` starts one and prints the SLURM_CONF to export, and
 stops it on Ctrl-C or SIGTERM.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,17 +52,35 @@ import time
 from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]  # Debian's package names
-COMMANDS = {"munged": "munge", "munge": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
-            "sbatch": "slurm-client", "srun": "slurm-client", "scontrol": "slurm-client",
-            "scancel": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client"}
+COMMANDS = {
+    "munged": "munge",
+    "munge": "munge",
+    "slurmctld": "slurmctld",
+    "slurmd": "slurmd",
+    "sbatch": "slurm-client",
+    "srun": "slurm-client",
+    "scontrol": "slurm-client",
+    "scancel": "slurm-client",
+    "sinfo": "slurm-client",
+    "squeue": "slurm-client",
+}
 NODES = ("node1", "node2")
 PARTITIONS = ("a30_normal_q", "a30_preemptable_q")  # Falcon's A30 partitions; the first is the default
 GPUS_PER_NODE = 4
 CRED_EXPIRE = 10  # seconds; also how long a requeued job waits before it may start again
-KILL_WAIT = 30    # seconds between SIGTERM and SIGKILL when a job is cancelled (Slurm's default)
+KILL_WAIT = 30  # seconds between SIGTERM and SIGKILL when a job is cancelled (Slurm's default)
 SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE", "OUT_OF_MEMORY"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
 
 
 class Unavailable(RuntimeError):
@@ -84,8 +103,9 @@ def check_installed() -> None:
     missing = missing_commands()
     if missing:
         packages = sorted({COMMANDS[c] for c in missing})
-        raise Unavailable(f"{', '.join(missing)} not installed: install Debian's {' '.join(packages)} packages "
-                          f"(as .ci/run does)")
+        raise Unavailable(
+            f"{', '.join(missing)} not installed: install Debian's {' '.join(packages)} packages (as .ci/run does)"
+        )
 
 
 def free_ports(count: int) -> list[int]:
@@ -143,7 +163,7 @@ def node_cpus(index: int) -> str:
     """The cores node `index` runs on: its half of the cores this process may use."""
     cpus = sorted(os.sched_getaffinity(0))
     share = max(1, len(cpus) // len(NODES))
-    mine = cpus[index * share:(index + 1) * share] or cpus[-share:]
+    mine = cpus[index * share : (index + 1) * share] or cpus[-share:]
     return ",".join(map(str, mine))
 
 
@@ -156,8 +176,11 @@ def mount_namespace(pid: int) -> str | None:
 
 def processes_in(namespaces: set) -> list[int]:
     """Processes in any of these mount namespaces (from /proc)."""
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()
-            and mount_namespace(int(e.name)) in namespaces]
+    return [
+        int(e.name)
+        for e in Path("/proc").iterdir()
+        if e.name.isdigit() and int(e.name) != os.getpid() and mount_namespace(int(e.name)) in namespaces
+    ]
 
 
 def processes_with(needle: bytes, exclude=()) -> list[int]:
@@ -180,6 +203,7 @@ def _die_with_parent() -> None:
     leaves no daemon behind). Linux prctl(PR_SET_PDEATHSIG); kept across exec."""
     try:
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -208,26 +232,39 @@ class SlurmCluster:
         return {"SLURM_CONF": str(self.conf)}
 
     def client_env(self, base=None) -> dict:
-        env = {k: v for k, v in (os.environ if base is None else base).items()
-               if not k.startswith(("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SCANCEL_"))}
+        env = {
+            k: v
+            for k, v in (os.environ if base is None else base).items()
+            if not k.startswith(("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SCANCEL_"))
+        }
         env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
         env.update(self.env)
         return env
 
     def command(self, *args, timeout=30, check=True) -> subprocess.CompletedProcess:
-        result = subprocess.run([str(a) for a in args], env=self.client_env(), capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            [str(a) for a in args], env=self.client_env(), capture_output=True, text=True, timeout=timeout
+        )
         if check and result.returncode != 0:
-            raise RuntimeError(f"{' '.join(map(str, args))}: exit status {result.returncode}\n{result.stdout}"
-                               f"{result.stderr}")
+            raise RuntimeError(
+                f"{' '.join(map(str, args))}: exit status {result.returncode}\n{result.stdout}{result.stderr}"
+            )
         return result
 
     # ------------------------------------------------------------------ configuration
 
     def write_config(self) -> None:
         root = self.root
-        for sub in ("etc", "state", "log", "run", "dev", "scratch", *(f"spool/{n}" for n in NODES),
-                    *(f"nodes/{n}/scratch" for n in NODES)):
+        for sub in (
+            "etc",
+            "state",
+            "log",
+            "run",
+            "dev",
+            "scratch",
+            *(f"spool/{n}" for n in NODES),
+            *(f"nodes/{n}/scratch" for n in NODES),
+        ):
             (root / sub).mkdir(parents=True, exist_ok=True)
         root.chmod(0o755)  # munged wants its socket's folders searchable by all
         # MUNGE: a key of our own (a private key file) and a socket of our own.
@@ -278,11 +315,13 @@ exit 0
         nodes = "".join(
             f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} CPUs=64 Boards=1 "
             f"SocketsPerBoard=2 CoresPerSocket=32 ThreadsPerCore=1 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN\n"
-            for name, port in zip(NODES, node_ports))
+            for name, port in zip(NODES, node_ports)
+        )
         node_list = f"node[1-{len(NODES)}]"
         partitions = "".join(
             f"PartitionName={p} Nodes={node_list} Default={'YES' if i == 0 else 'NO'} MaxTime=INFINITE State=UP\n"
-            for i, p in enumerate(PARTITIONS))
+            for i, p in enumerate(PARTITIONS)
+        )
         self.conf.write_text(f"""# A test cluster: written by tests/slurm_cluster.py, removed with it.
 ClusterName=testcluster
 SlurmctldHost={host}(127.0.0.1)
@@ -326,15 +365,23 @@ MinJobAge=3600
 InactiveLimit=0
 {nodes}{partitions}""")
         (root / "etc" / "gres.conf").write_text(
-            f"AutoDetect=off\nNodeName={node_list} Name=gpu File={root}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
+            f"AutoDetect=off\nNodeName={node_list} Name=gpu File={root}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
+        )
 
     # ------------------------------------------------------------------ daemons
 
     def _spawn(self, name: str, cmd: list) -> subprocess.Popen:
         out = open(self.root / "log" / f"{name}.out", "wb")
         env = dict(self.client_env(), SLURM_TEST_CLUSTER=str(self.root))
-        proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         out.close()
         self.procs[name] = proc
         return proc
@@ -346,41 +393,76 @@ InactiveLimit=0
                 return
             for name in procs:
                 if self.procs[name].poll() is not None:
-                    raise Unavailable(f"{name} exited with status {self.procs[name].returncode} while starting:\n"
-                                      + self.log_tail(name))
+                    raise Unavailable(
+                        f"{name} exited with status {self.procs[name].returncode} while starting:\n"
+                        + self.log_tail(name)
+                    )
             time.sleep(0.2)
-        raise Unavailable(f"{what} did not happen within {timeout} s:\n" + "\n".join(
-            self.log_tail(n) for n in self.procs))
+        raise Unavailable(
+            f"{what} did not happen within {timeout} s:\n" + "\n".join(self.log_tail(n) for n in self.procs)
+        )
 
     def check_namespaces(self) -> None:
         """Each slurmd gets a host name, /etc/hosts and scratch disk of its own: mount and UTS namespaces."""
         unshare = which("unshare")
         if unshare is None:
             raise Unavailable("no `unshare` (util-linux) to give each slurmd its own host name and /etc/hosts")
-        probe = subprocess.run([unshare, "--mount", "--uts", "--propagation", "private", "sh", "-c",
-                                f'mount --bind "$1" /etc/hosts && hostname probe-node && getent hosts {NODES[0]}',
-                                "sh", str(self.root / "etc" / "hosts")], capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            [
+                unshare,
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'mount --bind "$1" /etc/hosts && hostname probe-node && getent hosts {NODES[0]}',
+                "sh",
+                str(self.root / "etc" / "hosts"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if probe.returncode != 0:
-            raise Unavailable("cannot make mount and UTS namespaces here (unshare --mount --uts, then mount "
-                              f"--bind and hostname): {probe.stderr.strip()[-500:]}")
+            raise Unavailable(
+                "cannot make mount and UTS namespaces here (unshare --mount --uts, then mount "
+                f"--bind and hostname): {probe.stderr.strip()[-500:]}"
+            )
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         check_installed()
         if os.geteuid() != 0:
-            raise Unavailable("slurmd must run as root (it starts jobs as their users, and the test cluster "
-                              "gives each node its own host name): run the tests as root, as CI does")
+            raise Unavailable(
+                "slurmd must run as root (it starts jobs as their users, and the test cluster "
+                "gives each node its own host name): run the tests as root, as CI does"
+            )
         try:
             self.write_config()
             self.check_namespaces()
-            self._spawn("munged", [which("munged"), "--foreground", f"--socket={self.munge_socket}",
-                                   f"--key-file={self.root}/munge/munge.key", f"--pid-file={self.root}/run/munged.pid",
-                                   f"--seed-file={self.root}/munge/seed", f"--log-file={self.root}/log/munged.log"])
+            self._spawn(
+                "munged",
+                [
+                    which("munged"),
+                    "--foreground",
+                    f"--socket={self.munge_socket}",
+                    f"--key-file={self.root}/munge/munge.key",
+                    f"--pid-file={self.root}/run/munged.pid",
+                    f"--seed-file={self.root}/munge/seed",
+                    f"--log-file={self.root}/log/munged.log",
+                ],
+            )
 
             def munge_works():
                 encoded = subprocess.run([which("munge"), "-n", "-S", str(self.munge_socket)], capture_output=True)
-                return encoded.returncode == 0 and subprocess.run(
-                    [which("unmunge"), "-S", str(self.munge_socket)], input=encoded.stdout,
-                    capture_output=True).returncode == 0
+                return (
+                    encoded.returncode == 0
+                    and subprocess.run(
+                        [which("unmunge"), "-S", str(self.munge_socket)], input=encoded.stdout, capture_output=True
+                    ).returncode
+                    == 0
+                )
+
             self._wait("munged answering on its socket", munge_works, timeout, ["munged"])
 
             self._spawn("slurmctld", [which("slurmctld"), "-D", "-i", "-f", self.conf])
@@ -390,15 +472,32 @@ InactiveLimit=0
                     slurmd = [which("taskset"), "-c", node_cpus(index), *slurmd]
                 # its own host name, /etc/hosts and scratch disk; exec all the way, so that the
                 # process id recorded is slurmd's
-                self._spawn(f"slurmd-{node}", [
-                    which("unshare"), "--mount", "--uts", "--propagation", "private", "sh", "-c",
-                    'mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && hostname "$4" && shift 4 && exec "$@"',
-                    "sh", self.root / "etc" / "hosts", self.scratch(node), self.root / "scratch", node, *slurmd])
+                self._spawn(
+                    f"slurmd-{node}",
+                    [
+                        which("unshare"),
+                        "--mount",
+                        "--uts",
+                        "--propagation",
+                        "private",
+                        "sh",
+                        "-c",
+                        'mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && hostname "$4"'
+                        ' && shift 4 && exec "$@"',
+                        "sh",
+                        self.root / "etc" / "hosts",
+                        self.scratch(node),
+                        self.root / "scratch",
+                        node,
+                        *slurmd,
+                    ],
+                )
 
             def nodes_idle():
                 result = self.command("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10)
                 states = dict(line.split()[:2] for line in result.stdout.splitlines() if line.strip())
                 return result.returncode == 0 and all(states.get(n, "").startswith("idle") for n in NODES)
+
             self._wait(f"{', '.join(NODES)} idle", nodes_idle, timeout, list(self.procs))
             host = mount_namespace(os.getpid())
             self.namespaces = {mount_namespace(self.procs[f"slurmd-{n}"].pid) for n in NODES} - {None, host}
@@ -431,8 +530,10 @@ InactiveLimit=0
                 if jobs:
                     self.command("scancel", *jobs, check=False, timeout=15)
                     deadline = time.monotonic() + KILL_WAIT + 15
-                    while time.monotonic() < deadline and self.command(
-                            "squeue", "-h", "-o", "%A", check=False, timeout=15).stdout.strip():
+                    while (
+                        time.monotonic() < deadline
+                        and self.command("squeue", "-h", "-o", "%A", check=False, timeout=15).stdout.strip()
+                    ):
                         time.sleep(0.5)
             except subprocess.TimeoutExpired:  # a controller that does not answer: stop it all the same
                 pass

@@ -11,6 +11,7 @@ validation images): the mean validation loss over the 6 epochs differs by <= 2.0
 while changing the seed moves it by up to 14 % (1.30 to 1.48); the last epoch's accuracy differs by up to
 0.13, its mean over the epochs by <= 0.03. The tolerances below (5 % and 0.08) sit between those.
 """
+
 import dataclasses
 import math
 import re
@@ -23,6 +24,24 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from conftest import (
+    ONE_STEP,
+    REPO,
+    TRAIN_IMAGES,
+    VAL_IMAGES,
+    check_bn_recalibrated,
+    check_metrics_of_saved_weights,
+    check_profile,
+    check_residual_bn_init,
+    check_slow_bf16_warning,
+    cpu_env,
+    finish,
+    free_port,
+    parameter_distance,
+    start,
+    wait_for_epoch,
+    write_cifar,
+)
 from torch.utils.data import DataLoader
 
 import accel_train
@@ -32,13 +51,14 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_bn_recalibrated, check_profile, check_metrics_of_saved_weights, check_residual_bn_init, check_slow_bf16_warning, wait_for_epoch, ONE_STEP, REPO, TRAIN_IMAGES,
-                      VAL_IMAGES, cpu_env, finish, free_port, parameter_distance, start, write_cifar)
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
-EPOCH_LINE = re.compile(r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+EPOCH_LINE = re.compile(
+    r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
+    re.M,
+)
 TINY = ["--model-width", "4", "--set", "eval_batch_size=16"]  # 16: several validation batches and a remainder
 
 # The parity data: conftest's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
@@ -54,8 +74,17 @@ def accel_env(**extra) -> dict:
 
 def accelerate_command(config, *flags) -> list:
     """`accelerate launch` of accel_train.py with `config`, its rendezvous on a free port."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-            "--main_process_port", free_port(), "accel_train.py", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config,
+        "--main_process_port",
+        free_port(),
+        "accel_train.py",
+        *flags,
+    ]
 
 
 def accelerate_launch(config, *flags, env=None):
@@ -72,27 +101,42 @@ def banners(path: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- without processes
 
+
 def test_banner_sections_match_raw_ddp():
     """accel_train.py mirrors raw_ddp.py section by section, so that the two diff cleanly: the run's steps in
     order (setup ... teardown), then the loop's helpers, the checkpoint functions and the launch plumbing."""
-    assert banners(REPO / "raw_ddp.py") == ["setup", "data", "model", "train", "evaluate", "teardown", "helpers",
-                                            "checkpoint", "launch"]
+    assert banners(REPO / "raw_ddp.py") == [
+        "setup",
+        "data",
+        "model",
+        "train",
+        "evaluate",
+        "teardown",
+        "helpers",
+        "checkpoint",
+        "launch",
+    ]
     assert banners(REPO / "accel_train.py") == banners(REPO / "raw_ddp.py")
 
 
 def function_lines(path: Path) -> dict[str, list[str]]:
     """Each top-level function of a file: its source lines."""
     import ast
+
     source = path.read_text()
     lines = source.splitlines()
-    return {node.name: lines[node.lineno - 1:node.end_lineno] for node in ast.parse(source).body
-            if isinstance(node, ast.FunctionDef)}
+    return {
+        node.name: lines[node.lineno - 1 : node.end_lineno]
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef)
+    }
 
 
 def test_the_two_loops_differ_only_where_accelerate_replaces_a_step():
     """The diff budget: accel_train.py's train_process is raw_ddp.py's but for the lines where Accelerate
     replaces a hand-written step (# A1.n for # R1.n, which count as the same)."""
     import difflib
+
     same_tags = lambda lines: [re.sub(r"# [RA]1\.", "# X1.", line) for line in lines]
     raw = same_tags(function_lines(REPO / "raw_ddp.py")["train_process"])
     accel = same_tags(function_lines(REPO / "accel_train.py")["train_process"])
@@ -142,11 +186,14 @@ def test_recipe_keys_this_trainer_lacks_are_refused():
         accel_train.check_recipe_supported(ExtendedRecipe(fancy_trick=True))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--epochs", "0"], "epochs must be >= 1"),
-    (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
-    (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--epochs", "0"], "epochs must be >= 1"),
+        (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
+        (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
+    ],
+)
 def test_bad_flags_are_user_errors(flags, message, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     with pytest.raises(UserError, match=message):
@@ -155,22 +202,32 @@ def test_bad_flags_are_user_errors(flags, message, monkeypatch):
 
 # ----------------------------------------------------------------------------- 2 CPU processes
 
+
 @pytest.fixture(scope="module")
 def parity_dir(tmp_path_factory) -> Path:
     return write_cifar(tmp_path_factory.mktemp("parity"), per_train_file=PARITY_TRAIN // 5, val_images=PARITY_VAL)
 
 
 def parity_flags(data_dir, log):
-    return [*data_flags(data_dir, PARITY_TRAIN, PARITY_VAL), *TINY, "--epochs", PARITY_EPOCHS, "--seed", 0,
-            "--log-json", log]
+    return [
+        *data_flags(data_dir, PARITY_TRAIN, PARITY_VAL),
+        *TINY,
+        "--epochs",
+        PARITY_EPOCHS,
+        "--seed",
+        0,
+        "--log-json",
+        log,
+    ]
 
 
 @pytest.fixture(scope="module")
 def accel_run(parity_dir, tmp_path_factory):
     """The documented CPU launch: accelerate launch --config_file two_cpus.yaml accel_train.py --cpu ..."""
     out = tmp_path_factory.mktemp("accel")
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *parity_flags(parity_dir, out / "log.jsonl"),
-                               "--save", out / "w.pt")
+    result = accelerate_launch(
+        CONFIGS / "two_cpus.yaml", "--cpu", *parity_flags(parity_dir, out / "log.jsonl"), "--save", out / "w.pt"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result, *read_log(out / "log.jsonl"), out / "w.pt"
 
@@ -185,16 +242,17 @@ def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
     assert [e["epoch"] for e in epochs] == list(range(1, PARITY_EPOCHS + 1))
     # one epoch line per epoch: the main process prints, the other one does not
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs]
-    assert all(e["cumulative_time"] == pytest.approx(sum(x["epoch_time"] for x in epochs[:i + 1]))
-               for i, e in enumerate(epochs))
+    assert all(
+        e["cumulative_time"] == pytest.approx(sum(x["epoch_time"] for x in epochs[: i + 1]))
+        for i, e in enumerate(epochs)
+    )
 
     # --save: a plain state_dict that loads into WideResNet and reproduces the last logged metrics exactly
     # (every validation image counted once: no padding repeats, rank 0's BatchNorm statistics).
     model = WideResNet(width=4)
     model.load_state_dict(torch.load(weights))
     model.eval()
-    loader = DataLoader(CIFAR10(*load_split(parity_dir, train=False, subset=PARITY_VAL), augment=False),
-                        batch_size=64)
+    loader = DataLoader(CIFAR10(*load_split(parity_dir, train=False, subset=PARITY_VAL), augment=False), batch_size=64)
     loss_sum, correct = 0.0, 0
     with torch.no_grad():
         for images, labels in loader:
@@ -203,21 +261,41 @@ def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
             correct += (logits.argmax(1) == labels).sum().item()
     assert epochs[-1]["val_loss"] == pytest.approx(loss_sum / PARITY_VAL, rel=1e-4)
     assert abs(epochs[-1]["val_accuracy"] * PARITY_VAL - correct) <= 1  # allow one near-tie argmax
-    assert epochs[-1]["val_accuracy"] * PARITY_VAL == pytest.approx(round(epochs[-1]["val_accuracy"] * PARITY_VAL),
-                                                                    abs=1e-6)  # a count out of 301, not 302
+    assert epochs[-1]["val_accuracy"] * PARITY_VAL == pytest.approx(
+        round(epochs[-1]["val_accuracy"] * PARITY_VAL), abs=1e-6
+    )  # a count out of 301, not 302
 
 
 def test_parity_with_raw_ddp(accel_run, parity_dir, tmp_path):
     _, header, epochs, _ = accel_run
-    cmd = [sys.executable, "raw_ddp.py", "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--device", "cpu",
-           *parity_flags(parity_dir, tmp_path / "raw.jsonl")]
+    cmd = [
+        sys.executable,
+        "raw_ddp.py",
+        "--num-nodes",
+        1,
+        "--node-id",
+        0,
+        "--num-gpus",
+        2,
+        "--device",
+        "cpu",
+        *parity_flags(parity_dir, tmp_path / "raw.jsonl"),
+    ]
     raw = finish(start(cmd, env=cpu_env()), TIMEOUT)
     assert raw.returncode == 0, raw.stderr[-3000:]
     raw_header, raw_epochs = read_log(tmp_path / "raw.jsonl")
 
     # The same run, by every number the two trainers compute before training:
-    same = ("world_size", "per_device_batch_size", "global_batch_size", "lr", "steps_per_epoch", "train_images",
-            "val_images", "model_parameters")
+    same = (
+        "world_size",
+        "per_device_batch_size",
+        "global_batch_size",
+        "lr",
+        "steps_per_epoch",
+        "train_images",
+        "val_images",
+        "model_parameters",
+    )
     assert {k: header[k] for k in same} == {k: raw_header[k] for k in same}
     assert header["recipe"] == raw_header["recipe"]
     assert len(epochs) == len(raw_epochs) == PARITY_EPOCHS
@@ -236,9 +314,21 @@ def bf16_profile_run(cifar_dir, tmp_path_factory):
     configured) and test_profile_parts_add_up_to_the_epoch_and_trace_is_written (what --profile records).
     Neither claim depends on the other's flags, and a launch costs ~20 CPU-seconds of start-up."""
     out = tmp_path_factory.mktemp("bf16_profile")
-    result = accelerate_launch(CONFIGS / "two_gpus.yaml", *data_flags(cifar_dir), *TINY, "--model-width", 8,
-                               "--epochs", 2, "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl",
-                               env=accel_env(ACCELERATE_USE_CPU=1))
+    result = accelerate_launch(
+        CONFIGS / "two_gpus.yaml",
+        *data_flags(cifar_dir),
+        *TINY,
+        "--model-width",
+        8,
+        "--epochs",
+        2,
+        "--profile",
+        "--trace",
+        out / "trace",
+        "--log-json",
+        out / "log.jsonl",
+        env=accel_env(ACCELERATE_USE_CPU=1),
+    )
     return result, out
 
 
@@ -262,6 +352,7 @@ def test_torchrun_launch(one_step_runs):
 
 # ----------------------------------------------------------------------------- wrong launches fail clearly
 
+
 def assert_refused(result, message, log: Path):
     assert result.returncode != 0
     assert re.search(r"^error: " + message, result.stderr, re.M), result.stderr[-3000:]
@@ -272,8 +363,9 @@ def assert_refused(result, message, log: Path):
 def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_is_refused(cifar_dir, tmp_path):
     """The trap: `use_cpu: true` does not reach MULTI_GPU processes; without CUDA each would train alone."""
     config = tmp_path / "use_cpu.yaml"
-    config.write_text("distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
-                      "mixed_precision: 'no'\n")
+    config.write_text(
+        "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n"
+    )
     log = tmp_path / "log.jsonl"
     result = accelerate_launch(config, *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log)
     assert_refused(result, r"the launcher started 2 processes \(WORLD_SIZE=2\) but Accelerate sees 1", log)
@@ -283,9 +375,29 @@ def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_is_refused(cifar_dir, tmp
 def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
     """The trap: `accelerate launch --cpu --num_processes 2` starts one process."""
     log = tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", 2, "--num_machines", 1,
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port(),
-           "accel_train.py", *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        2,
+        "--num_machines",
+        1,
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        free_port(),
+        "accel_train.py",
+        *data_flags(cifar_dir),
+        *TINY,
+        "--epochs",
+        1,
+        "--log-json",
+        log,
+    ]
     result = finish(start(cmd, env=accel_env()), TIMEOUT)
     assert_refused(result, "accelerate launch was asked for several processes but started only this one", log)
 
@@ -293,8 +405,14 @@ def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
 def test_missing_data_is_said_once(tmp_path):
     """Both ranks find the data missing and stop together; the node's main process alone says so, in one line
     (accelerate launch adds its own report of the failed processes after it)."""
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", tmp_path / "data", *TINY,
-                               env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))
+    result = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        "--cpu",
+        "--data-dir",
+        tmp_path / "data",
+        *TINY,
+        env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"),
+    )
     assert result.returncode != 0 and not EPOCH_LINE.search(result.stdout)
     ours = [line for line in result.stderr.splitlines() if line.startswith(("error:", "warning:", "rank "))]
     assert len(ours) == 1 and ours[0].startswith("error: ranks 0, 1: node 0: CIFAR-10 is not in "), result.stderr
@@ -303,14 +421,22 @@ def test_missing_data_is_said_once(tmp_path):
 
 def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     """One rank crashes: the launcher stops the other one; nothing is left waiting in a collective."""
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--epochs", 1,
-                               env=accel_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1))
+    result = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        "--cpu",
+        *data_flags(cifar_dir),
+        *TINY,
+        "--epochs",
+        1,
+        env=accel_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
+    )
     assert result.returncode != 0 and "error: rank 1 failed" in result.stderr
     assert "injected test fault in rank 1" in result.stderr
     assert not EPOCH_LINE.search(result.stdout)
 
 
 # ----------------------------------------------------------------------------- every recipe key (issue 5)
+
 
 def test_every_recipe_key_is_implemented():
     assert accel_train.SUPPORTED_RECIPE_KEYS == {f.name for f in dataclasses.fields(Recipe)}
@@ -330,14 +456,43 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     recalibration, and the levers of issue 25 (Muon, Lookahead, BatchNorm bias rate and frozen scales,
     alternating flips; tests/test_levers.py); the reported metrics
     equal a single-process evaluation of the saved (EMA) weights."""
-    options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "tta_translate=1", "augment=true", "crop_padding=2", "bn_lr_scale=2",
-               "bn_recalibration=100", "muon=true", "muon_lr=0.05", "lookahead_steps=3", "bn_bias_lr_scale=4",
-               "freeze_bn_scale=true", "alternating_flip=true"]
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *data_flags(cifar_dir), *TINY, "--recipe", "fast",
-                               "--batch-size", 32, "--epochs", 2, "--set", "extra_epochs=0",  # as in test_fast.py
-                               *[a for o in options for a in ("--set", o)],
-                               "--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl")
+    options = [
+        "ema_decay=0.9",
+        "ddp_bucket_view=true",
+        "ddp_static_graph=true",
+        "grad_compression=bf16",
+        "tta_flip=true",
+        "tta_translate=1",
+        "augment=true",
+        "crop_padding=2",
+        "bn_lr_scale=2",
+        "bn_recalibration=100",
+        "muon=true",
+        "muon_lr=0.05",
+        "lookahead_steps=3",
+        "bn_bias_lr_scale=4",
+        "freeze_bn_scale=true",
+        "alternating_flip=true",
+    ]
+    result = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        "--cpu",
+        *data_flags(cifar_dir),
+        *TINY,
+        "--recipe",
+        "fast",
+        "--batch-size",
+        32,
+        "--epochs",
+        2,
+        "--set",
+        "extra_epochs=0",  # as in test_fast.py
+        *[a for o in options for a in ("--set", o)],
+        "--save",
+        tmp_path / "w.pt",
+        "--log-json",
+        tmp_path / "log.jsonl",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
@@ -353,10 +508,28 @@ def clipped_steps(cifar_dir, epochs: int, weights: Path):
     """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_runs'
     starting weights (residual_bn_init=0.2), on warmup_linear with anneal_epochs=1: the first step's rate factor
     is (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0."""
-    return accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, *TINY, *ONE_STEP,
-                             "--epochs", epochs, "--base-lr", 1.0, "--set", "residual_bn_init=0.2",
-                             "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear",
-                             "--set", "anneal_epochs=1", "--save", weights)
+    return accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        "--cpu",
+        "--data-dir",
+        cifar_dir,
+        *TINY,
+        *ONE_STEP,
+        "--epochs",
+        epochs,
+        "--base-lr",
+        1.0,
+        "--set",
+        "residual_bn_init=0.2",
+        "--set",
+        "grad_clip_norm=0.001",
+        "--set",
+        "lr_schedule=warmup_linear",
+        "--set",
+        "anneal_epochs=1",
+        "--save",
+        weights,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -369,12 +542,36 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
     clipped: one epoch of clipped_steps: test_grad_clip_norm_bounds_the_step (the step) and
       test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run)."""
     out = tmp_path_factory.mktemp("one_step")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-           "accel_train.py", "--data-dir", cifar_dir, *TINY, *ONE_STEP, "--base-lr", 1e-12,
-           "--set", "residual_bn_init=0.2", "--save", out / "start.pt", "--log-json", out / "start.jsonl"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        2,
+        "--master_port",
+        free_port(),
+        "accel_train.py",
+        "--data-dir",
+        cifar_dir,
+        *TINY,
+        *ONE_STEP,
+        "--base-lr",
+        1e-12,
+        "--set",
+        "residual_bn_init=0.2",
+        "--save",
+        out / "start.pt",
+        "--log-json",
+        out / "start.jsonl",
+    ]
     started = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
-    return SimpleNamespace(start=started, start_weights=out / "start.pt", start_log=out / "start.jsonl",
-                           clipped=clipped_steps(cifar_dir, 1, out / "clipped.pt"), clipped_weights=out / "clipped.pt")
+    return SimpleNamespace(
+        start=started,
+        start_weights=out / "start.pt",
+        start_log=out / "start.jsonl",
+        clipped=clipped_steps(cifar_dir, 1, out / "clipped.pt"),
+        clipped_weights=out / "clipped.pt",
+    )
 
 
 def test_grad_clip_norm_bounds_the_step(one_step_runs):
@@ -382,8 +579,9 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
     moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
     for result in (one_step_runs.start, one_step_runs.clipped):
         assert result.returncode == 0, result.stderr[-3000:]
-    assert parameter_distance(one_step_runs.start_weights, one_step_runs.clipped_weights) == pytest.approx(0.001,
-                                                                                                           rel=1e-3)
+    assert parameter_distance(one_step_runs.start_weights, one_step_runs.clipped_weights) == pytest.approx(
+        0.001, rel=1e-3
+    )
 
 
 def test_anneal_epochs_freezes_the_weights_after_it(one_step_runs, cifar_dir, tmp_path):
@@ -404,6 +602,7 @@ def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
 
 # ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
 
+
 def reliability_flags(data_dir, *extra):
     return ["--cpu", *data_flags(data_dir), *TINY, "--dist-timeout", 60, *extra]
 
@@ -416,32 +615,52 @@ def test_resume_needs_a_checkpoint_dir(tmp_path, monkeypatch):
 
 
 def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_dir, tmp_path):
-    launch = lambda *flags, env=None: accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *flags),
-                                                        env=env)
+    launch = lambda *flags, env=None: accelerate_launch(
+        CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *flags), env=env
+    )
     straight = launch("--epochs", 3, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl")
     assert straight.returncode == 0, straight.stderr[-3000:]
     ck = tmp_path / "ck"
     first = launch("--epochs", 2, "--checkpoint-dir", ck, "--log-json", tmp_path / "b.jsonl")
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in ck.iterdir()) == ["LATEST", "state-2"]  # one checkpoint, nothing half-written
-    second = launch("--epochs", 3, "--checkpoint-dir", ck, "--resume", "--save", tmp_path / "b.pt",
-                    "--log-json", tmp_path / "b.jsonl")
+    second = launch(
+        "--epochs",
+        3,
+        "--checkpoint-dir",
+        ck,
+        "--resume",
+        "--save",
+        tmp_path / "b.pt",
+        "--log-json",
+        tmp_path / "b.jsonl",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Resuming from {ck / 'state-2'}: epoch 3, step 0" in second.stdout
     assert [int(n) for n in EPOCH_LINE.findall(second.stdout)] == [3]
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)  # identical weights
     (_, ea), (_, eb) = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
-    assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == \
-           [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb]  # identical per-epoch metrics
+    assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == [
+        (e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb
+    ]  # identical per-epoch metrics
     assert eb[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in eb))
     assert (ck / "LATEST").read_text().strip() == "state-3"
 
     other = launch("--epochs", 4, "--checkpoint-dir", ck, "--resume", "--set", "momentum=0.5")
     assert other.returncode != 0 and "error: cannot resume from" in other.stderr
     assert "momentum (0.0 -> 0.5)" in other.stderr and 'accel_train.py", line' not in other.stderr
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 1, "--master_port", free_port(),
-           "accel_train.py", *reliability_flags(cifar_dir, "--epochs", 4, "--checkpoint-dir", ck, "--resume")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        1,
+        "--master_port",
+        free_port(),
+        "accel_train.py",
+        *reliability_flags(cifar_dir, "--epochs", 4, "--checkpoint-dir", ck, "--resume"),
+    ]
     one_process = finish(start(cmd, env=accel_env()), TIMEOUT)
     assert one_process.returncode != 0 and "written by 2 processes, this run has 1" in one_process.stderr
 
@@ -472,8 +691,9 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     # 40 steps per epoch; the device pipeline: a prepared loader fetches the next batch before the step, so with
     # the per-image pipeline a mid-epoch resume is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--set", "data_pipeline=device", "--checkpoint-dir", ck]
-    cmd = accelerate_command(CONFIGS / "two_cpus.yaml",
-                             *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl"))
+    cmd = accelerate_command(
+        CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")
+    )
     proc = start(cmd, env=accel_env())
     ranks = worker_processes(proc.pid)
     wait_for_epoch(tmp_path / "l.jsonl")
@@ -485,16 +705,26 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
     state = read_training_state(accel_train.latest_checkpoint(ck))
     assert 0 < state["step"] <= 40 and not state["finished"]
-    resumed = accelerate_launch(CONFIGS / "two_cpus.yaml",
-                                *reliability_flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json",
-                                                   tmp_path / "l.jsonl", "--save", tmp_path / "resumed.pt"))
+    resumed = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        *reliability_flags(
+            cifar_dir,
+            *long_epochs,
+            "--auto-resume",
+            "--log-json",
+            tmp_path / "l.jsonl",
+            "--save",
+            tmp_path / "resumed.pt",
+        ),
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f": epoch {state['epoch'] + 1}, step {state['step']} of 40" in resumed.stdout
     _, epochs = read_log(tmp_path / "l.jsonl")
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     # and, resumed in the middle of an epoch, it ends with the weights of a run never stopped, bit for bit
-    straight = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *long_epochs[:-2], "--save",
-                                                                               tmp_path / "straight.pt"))
+    straight = accelerate_launch(
+        CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *long_epochs[:-2], "--save", tmp_path / "straight.pt")
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
     a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -510,8 +740,12 @@ def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tm
     later); they checkpoint at the next check and exit 75; the agent re-raises the signal, so the launcher fails
     (exit 1 before accelerate 1.16, 128 + 15 from it on)."""
     ck = tmp_path / "ck"
-    cmd = accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(
-        cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck, "--log-json", tmp_path / "l.jsonl"))
+    cmd = accelerate_command(
+        CONFIGS / "two_cpus.yaml",
+        *reliability_flags(
+            cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck, "--log-json", tmp_path / "l.jsonl"
+        ),
+    )
     proc = start(cmd, env=accel_env())
     ranks = worker_processes(proc.pid)
     wait_for_epoch(tmp_path / "l.jsonl")
@@ -526,6 +760,7 @@ def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tm
 
 def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     from test_reliability import DIVERGES, check_diverged
+
     result = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 2, *DIVERGES))
     assert result.returncode != 0
     check_diverged(result.stderr, traceback='accel_train.py", line')
@@ -533,6 +768,7 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 
 
 # ----------------------------------------------------------------------------- --profile, --trace (issue 6)
+
 
 def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run):
     """bf16_profile_run (with the launch tests above). 2 epochs: parts not reset between epochs would exceed the

@@ -1,6 +1,7 @@
 """Ranks agree before they train on: what one rank finds (a checkpoint, the data, a stop signal) every rank
 acts on together, so that a run never trains mixed, and never leaves ranks waiting in a collective.
 Both entry points; two "nodes" are two launches on this machine meeting at one port."""
+
 import os
 import pickle
 import shutil
@@ -9,48 +10,115 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    PER_TRAIN_FILE,
+    TINY,
+    TRAIN_IMAGES,
+    VAL_IMAGES,
+    cpu_env,
+    finish,
+    free_port,
+    resume_flags,
+    start,
+    synthetic_batch,
+)
+from conftest import (
+    raw_ddp as run_raw,
+)
+from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags
 
 import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
-from cifar_wrn.checkpoint import load_checkpoint, read_training_state, resume_disagreement, resume_problem, what_was_seen
+from cifar_wrn.checkpoint import (
+    load_checkpoint,
+    read_training_state,
+    resume_disagreement,
+    resume_problem,
+    what_was_seen,
+)
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
-from conftest import (PER_TRAIN_FILE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, free_port, raw_ddp as run_raw,
-                      resume_flags, start, synthetic_batch)
-from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags
 
 PREEMPTED_EXIT = 75
 
 
 def flags(data_dir, *extra):
-    return [*TINY, "--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
-            "--dist-timeout", 60, *extra]
+    return [
+        *TINY,
+        "--data-dir",
+        data_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--dist-timeout",
+        60,
+        *extra,
+    ]
 
 
 def two_nodes(node_flags: list[list], timeout=120):
     """Two raw_ddp.py "nodes" of one process each on this machine; node k gets node_flags[k]."""
     port = free_port()
-    procs = [start([sys.executable, "raw_ddp.py", "--num-nodes", 2, "--node-id", k, "--num-gpus", 1,
-                    "--master-addr", "127.0.0.1", "--master-port", port, *extra],
-                   env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))  # no download possible
-            for k, extra in enumerate(node_flags)]
+    procs = [
+        start(
+            [
+                sys.executable,
+                "raw_ddp.py",
+                "--num-nodes",
+                2,
+                "--node-id",
+                k,
+                "--num-gpus",
+                1,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                *extra,
+            ],
+            env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"),
+        )  # no download possible
+        for k, extra in enumerate(node_flags)
+    ]
     return [finish(p, timeout) for p in procs]
 
 
 def two_accel_nodes(node_flags: list[list], timeout=120):
     """The same for accel_train.py: torchrun with a static rendezvous, one process per "node"."""
     port = free_port()
-    procs = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node_rank", k,
-                    "--nproc_per_node", 1, "--master_addr", "127.0.0.1", "--master_port", port, "accel_train.py",
-                    "--cpu", *extra], env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"))
-             for k, extra in enumerate(node_flags)]
+    procs = [
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                2,
+                "--node_rank",
+                k,
+                "--nproc_per_node",
+                1,
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "accel_train.py",
+                "--cpu",
+                *extra,
+            ],
+            env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"),
+        )
+        for k, extra in enumerate(node_flags)
+    ]
     return [finish(p, timeout) for p in procs]
 
 
 # ----------------------------------------------------------------------------- pure pieces
+
 
 def test_agreed_problem_names_the_ranks():
     assert agreed_problem([None, None]) is None
@@ -76,8 +144,14 @@ def test_a_rank_that_cannot_read_the_checkpoint_is_reported_as_such():
 
 def test_resume_problem_names_a_different_data_size():
     recipe = {"epochs": 3, "lr_schedule": "constant"}
-    checkpoint = {"world_size": 2, "model_width": 4, "recipe": recipe, "train_images": 320, "val_images": 101,
-                  "steps_per_epoch": 5}
+    checkpoint = {
+        "world_size": 2,
+        "model_width": 4,
+        "recipe": recipe,
+        "train_images": 320,
+        "val_images": 101,
+        "steps_per_epoch": 5,
+    }
     data = {"train_images": 320, "val_images": 101, "steps_per_epoch": 5}
     assert resume_problem(checkpoint, recipe, 2, 4, data) is None
     problem = resume_problem(checkpoint, recipe, 2, 4, dict(data, train_images=160, steps_per_epoch=2))
@@ -109,12 +183,14 @@ def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did()
     """WarmedUpEMA keeps its counter on the host; the AveragedModel it replaced (issue 25) read it on the
     device (`multi_avg_fn` below is that version's). Ten updates of moving weights and BatchNorm statistics:
     every tensor bit for bit equal, and a state_dict round trip carries the counter on."""
+
     def device_counter_update(ema_tensors, model_tensors, num_updates):  # the replaced multi_avg_fn
         if torch.is_floating_point(ema_tensors[0]):
             weight = 1 - ema_module.warmed_up_decay(0.99, num_updates.to(torch.float32))
             torch._foreach_lerp_(ema_tensors, model_tensors, weight)
         else:
             torch._foreach_copy_(ema_tensors, model_tensors)
+
     torch.manual_seed(0)
     model = WideResNet(width=4)
     ema = ema_module.build_ema(model, decay=0.99)
@@ -170,8 +246,16 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
     calls, emas = record_evaluation_broadcasts(monkeypatch, raw_ddp, raw_ddp.dist, "broadcast")
     # --master-port: run in-process, without the launcher that would otherwise host the rendezvous on a port of
     # its own (raw_ddp.py's __main__), so rank 0 binds this one itself
-    args, recipe = raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags(
-        cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port())]))
+    args, recipe = raw_ddp.resolve(
+        raw_ddp.parse_args(
+            [
+                str(f)
+                for f in flags(
+                    cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port()
+                )
+            ]
+        )
+    )
     raw_ddp.train_process(0, args, recipe)
     check_only_network_buffers(calls, emas)
 
@@ -179,9 +263,11 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
 @pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatch):
     from accelerate.state import AcceleratorState
+
     calls, emas = record_evaluation_broadcasts(monkeypatch, accel_train, accel_train, "broadcast")
-    args, recipe = accel_train.resolve(accel_train.parse_args(
-        [str(f) for f in reliability_flags(cifar_dir, "--epochs", 1, "--set", "ema_decay=0.9")]))
+    args, recipe = accel_train.resolve(
+        accel_train.parse_args([str(f) for f in reliability_flags(cifar_dir, "--epochs", 1, "--set", "ema_decay=0.9")])
+    )
     try:
         accel_train.train_process(args, recipe)
     finally:
@@ -193,11 +279,15 @@ def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatc
 # The checkpoints after epoch 1 are conftest's resume_runs (raw_ddp.py's and accel_train.py's, 2 processes each),
 # copied: a node resuming, or refusing to, must not write into the shared ones.
 
+
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("raw/ck", tmp_path)
-    node0, node1 = two_nodes([resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
-                              resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "empty",
-                                           "--auto-resume")])
+    node0, node1 = two_nodes(
+        [
+            resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"),
+            resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", tmp_path / "empty", "--auto-resume"),
+        ]
+    )
     for node in (node0, node1):
         assert node.returncode == 2 and node.seconds < 120, node.stderr
         assert "rank 0 sees epoch 1, step 0" in node.stderr and "rank 1 sees no checkpoint" in node.stderr
@@ -206,8 +296,9 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, 
 
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("accel/ck", tmp_path)
-    node_flags = lambda folder: [str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir",
-                                                                   folder, "--auto-resume")[1:]]
+    node_flags = lambda folder: [
+        str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", folder, "--auto-resume")[1:]
+    ]
     node0, node1 = two_accel_nodes([node_flags(ck), node_flags(tmp_path / "empty")])
     for node in (node0, node1):
         assert node.returncode != 0 and node.seconds < 120
@@ -226,10 +317,17 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_
     node1_dir = tmp_path / "empty" if case.startswith("no checkpoint") else ck
     if case.startswith("random_states"):
         (folder / "random_states_1.pkl").unlink()
-    node_flags = lambda directory: [str(f) for f in reliability_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir",
-                                                                      directory, "--resume", "--dist-timeout", 300)[1:]]
-    expected = (f"rank 1: --resume: no checkpoint in {node1_dir}" if case.startswith("no checkpoint") else
-                f"rank 1: {folder / 'random_states_1.pkl'} is missing")
+    node_flags = lambda directory: [
+        str(f)
+        for f in reliability_flags(
+            cifar_dir, "--epochs", 2, "--checkpoint-dir", directory, "--resume", "--dist-timeout", 300
+        )[1:]
+    ]
+    expected = (
+        f"rank 1: --resume: no checkpoint in {node1_dir}"
+        if case.startswith("no checkpoint")
+        else f"rank 1: {folder / 'random_states_1.pkl'} is missing"
+    )
     for node in two_accel_nodes([node_flags(ck), node_flags(node1_dir)], timeout=240):
         assert node.returncode != 0 and node.seconds < 180, node.stderr[-3000:]  # start-up (~20 s quiet,
         # much more under 4 loaded workers); a node left waiting would take --dist-timeout (300 s) more
@@ -239,19 +337,26 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_
 
 def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("raw/ck", tmp_path / "raw")
-    other = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
-                    "--train-subset", TRAIN_IMAGES // 2)
+    other = run_raw(
+        "--num-gpus",
+        2,
+        *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
+        "--train-subset",
+        TRAIN_IMAGES // 2,
+    )
     assert other.returncode == 2 and "Epoch = " not in other.stdout
     assert f"train images = {TRAIN_IMAGES}, this run has {TRAIN_IMAGES // 2}" in other.stderr
     ack = resume_runs.copy("accel/ck", tmp_path / "accel")
-    other = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ack,
-                                                                             "--epochs", 2, "--resume",
-                                                                             "--val-subset", 51))
+    other = accelerate_launch(
+        CONFIGS / "two_cpus.yaml",
+        *reliability_flags(cifar_dir, "--checkpoint-dir", ack, "--epochs", 2, "--resume", "--val-subset", 51),
+    )
     assert other.returncode != 0 and not other.stdout.count("Epoch = ")
     assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
 
 
 # ----------------------------------------------------------------------------- data: every node has it
+
 
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
@@ -259,8 +364,9 @@ def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
     if trainer == "raw":
         nodes = two_nodes([flags(cifar_dir, "--epochs", 1), flags(empty, "--epochs", 1)])
     else:
-        nodes = two_accel_nodes([[str(f) for f in reliability_flags(data_dir, "--epochs", 1)[1:]]
-                                 for data_dir in (cifar_dir, empty)])
+        nodes = two_accel_nodes(
+            [[str(f) for f in reliability_flags(data_dir, "--epochs", 1)[1:]] for data_dir in (cifar_dir, empty)]
+        )
     for node in nodes:
         assert node.returncode != 0 and node.seconds < 120
         assert f"node 1: CIFAR-10 is not in {empty / 'cifar-10-batches-py'}" in node.stderr, node.stderr[-2000:]
@@ -279,14 +385,20 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
         pickle.dump({**synthetic_batch(PER_TRAIN_FILE, seed=1), "labels": None}, f)
     data_dirs = [tmp_path / "bad"] if nodes == 1 else [cifar_dir, tmp_path / "bad"]
     if trainer == "raw":
-        node_flags = [flags(data_dir, "--epochs", 1, "--num-gpus", 3 - nodes, "--dist-timeout", 300)
-                      for data_dir in data_dirs]
+        node_flags = [
+            flags(data_dir, "--epochs", 1, "--num-gpus", 3 - nodes, "--dist-timeout", 300) for data_dir in data_dirs
+        ]
         results = [run_raw(*node_flags[0], timeout=200)] if nodes == 1 else two_nodes(node_flags, timeout=200)
     else:
-        node_flags = [[str(f) for f in reliability_flags(data_dir, "--epochs", 1, "--dist-timeout", 300)[1:]]
-                      for data_dir in data_dirs]
-        results = [accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *node_flags[0])] if nodes == 1 else \
-            two_accel_nodes(node_flags, timeout=200)
+        node_flags = [
+            [str(f) for f in reliability_flags(data_dir, "--epochs", 1, "--dist-timeout", 300)[1:]]
+            for data_dir in data_dirs
+        ]
+        results = (
+            [accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *node_flags[0])]
+            if nodes == 1
+            else two_accel_nodes(node_flags, timeout=200)
+        )
     for result in results:
         assert result.returncode != 0 and result.seconds < 120, result.stderr[-3000:]
         assert f"node {nodes - 1}: {path}: 'labels' must be a list of integers 0-9, found NoneType" in result.stderr
@@ -296,15 +408,18 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
 
 # ----------------------------------------------------------------------------- stop signals
 
+
 def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path, resume_runs):
     """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank. The run resumed
     in the middle of the epoch ends with the weights of a run never stopped (conftest's resume_runs.straight: these
     flags, no checkpoint), bit for bit (CPU: no loader workers; dropout active). It did not while each new DataLoader
     iterator drew its seed from the global random stream."""
     long_epochs = ["--num-gpus", 2, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
-    proc = start([sys.executable, "raw_ddp.py", *resume_flags(cifar_dir, *long_epochs,
-                                                              "--log-json", tmp_path / "l.jsonl")])
+    proc = start(
+        [sys.executable, "raw_ddp.py", *resume_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")]
+    )
     from conftest import wait_for_epoch
+
     wait_for_epoch(tmp_path / "l.jsonl")
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher leads its own session: this reaches every rank
     result = finish(proc, 60)
@@ -312,8 +427,11 @@ def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp
     assert "stopped by a signal at epoch 2, step" in result.stderr and "checkpoint written" in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
     assert checkpoint["epoch"] == 1 and 0 < checkpoint["step"] < 40
-    resumed = run_raw(*resume_flags(cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl",
-                                    "--save", tmp_path / "resumed.pt"))
+    resumed = run_raw(
+        *resume_flags(
+            cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl", "--save", tmp_path / "resumed.pt"
+        )
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"epoch 2, step {checkpoint['step']} of 40" in resumed.stdout
     _, epochs = read_log(tmp_path / "l.jsonl")
@@ -323,6 +441,7 @@ def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp
 
 
 # ----------------------------------------------------------------------------- --profile after such a resume
+
 
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path, trainer):
@@ -334,19 +453,23 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
         command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *flags(cifar_dir, *one_step, *extra)]
         env, state = cpu_env(), lambda: load_checkpoint(ck)
     else:
-        command = lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml",
-                                                    *reliability_flags(cifar_dir, *one_step, *extra))
+        command = lambda *extra: accelerate_command(
+            CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *one_step, *extra)
+        )
         env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
     proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)
     from conftest import wait_for_epoch
+
     wait_for_epoch(tmp_path / "stopped.jsonl")
     os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
     stopped = finish(proc, 90)
     epoch = state()["epoch"]  # the epochs finished before the one stopped at its last step
-    assert state()["step"] == 1 and f"stopped by a signal at epoch {epoch + 1}, step 1" in stopped.stderr, \
+    assert state()["step"] == 1 and f"stopped by a signal at epoch {epoch + 1}, step 1" in stopped.stderr, (
         stopped.stderr[-2000:]
-    resumed = finish(start(command("--epochs", epoch + 2, "--resume", "--profile", "--log-json", tmp_path / "l.jsonl"),
-                           env=env), 180)
+    )
+    resumed = finish(
+        start(command("--epochs", epoch + 2, "--resume", "--profile", "--log-json", tmp_path / "l.jsonl"), env=env), 180
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"epoch {epoch + 1}, step 1 of 1" in resumed.stdout and resumed.stdout.count("Epoch = ") == 2
     _, epochs = read_log(tmp_path / "l.jsonl")

@@ -1,11 +1,27 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
+
 import re
 import sys
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ONE_STEP,
+    TINY,
+    TRAIN_IMAGES,
+    VAL_IMAGES,
+    check_bn_recalibrated,
+    check_metrics_of_saved_weights,
+    check_residual_bn_init,
+    check_slow_bf16_warning,
+    parameter_distance,
+    run,
+)
+from conftest import (
+    raw_ddp as run_raw,
+)
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import raw_ddp
@@ -14,8 +30,6 @@ from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import (check_bn_recalibrated, check_metrics_of_saved_weights, check_residual_bn_init, check_slow_bf16_warning, ONE_STEP, TINY, TRAIN_IMAGES,
-                      VAL_IMAGES, parameter_distance, raw_ddp as run_raw, run)
 
 
 def coordinate_images(n: int) -> torch.Tensor:
@@ -32,15 +46,15 @@ def test_crops_stay_inside_the_padded_image_and_flip_about_half():
     flips, offsets = 0, set()
     for img in out:
         rows, cols = img[0].long(), img[1].long()
-        real = (rows > 0) & (cols > 0)                       # not padding
-        assert real.sum() >= 28 * 28                          # at most 4 pixels of padding per side
+        real = (rows > 0) & (cols > 0)  # not padding
+        assert real.sum() >= 28 * 28  # at most 4 pixels of padding per side
         # rows: the same source row across a real image row, shifted by dy in [-4, 4]
         dy = {int(rows[i][real[i]][0]) - 1 - i for i in range(32) if real[i].any()}
         assert len(dy) == 1 and -4 <= next(iter(dy)) <= 4
         row_cols = cols[real.any(1).nonzero()[0, 0]]
         values = row_cols[row_cols > 0]
         steps = set((values[1:] - values[:-1]).tolist())
-        assert steps in ({1}, {-1})                           # contiguous, mirrored or not
+        assert steps in ({1}, {-1})  # contiguous, mirrored or not
         flips += steps == {-1}
         unflipped = img.flip(2) if steps == {-1} else img
         r, c = [int(v[0]) for v in ((unflipped[0] > 0) & (unflipped[1] > 0)).nonzero()[:1].T]
@@ -85,24 +99,60 @@ def test_device_loader_shards_are_disjoint(cifar_dir):
 def test_fast_recipe_file():
     fast = load_recipe("fast")
     assert (fast.precision, fast.data_pipeline, fast.channels_last, fast.lr_schedule) == (
-        "bf16", "device", True, "warmup_linear")
+        "bf16",
+        "device",
+        True,
+        "warmup_linear",
+    )
     assert fast.nesterov and fast.momentum > 0 and fast.batch_size > load_recipe("baseline").batch_size
 
 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
     flip and 1-pixel shift TTA, augmentation with 2-pixel crop padding, a doubled rate for BatchNorm
-    parameters and BatchNorm recalibration on 100 training images; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
-    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + flip + shift 1 column, and recalibrating again changes little."""
-    options = ["ema_decay=0.9", "ddp_bucket_view=true", "ddp_static_graph=true", "grad_compression=bf16",
-               "tta_flip=true", "tta_translate=1", "augment=true", "crop_padding=2", "bn_lr_scale=2",
-               "bn_recalibration=100"]
+    parameters and BatchNorm recalibration on 100 training images; the reported metrics equal a single-process
+    evaluation of the saved (EMA) weights, and bench/eval_variants.py, given the last checkpoint, finds the logged
+    number in its EMA + flip + shift 1 column, and recalibrating again changes little."""
+    options = [
+        "ema_decay=0.9",
+        "ddp_bucket_view=true",
+        "ddp_static_graph=true",
+        "grad_compression=bf16",
+        "tta_flip=true",
+        "tta_translate=1",
+        "augment=true",
+        "crop_padding=2",
+        "bn_lr_scale=2",
+        "bn_recalibration=100",
+    ]
     # extra_epochs=0: fast.yaml's safety net would add a third epoch whenever epoch 1 misses 0.85 and epoch 2
     # meets it (tests/test_safety_net.py tests the net)
-    result = run_raw("--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--epochs", 2,
-                     "--set", "extra_epochs=0", "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
-                     *[a for o in options for a in ("--set", o)], "--save", tmp_path / "w.pt",
-                     "--log-json", tmp_path / "log.jsonl", "--checkpoint-dir", tmp_path / "ckpt")
+    result = run_raw(
+        "--num-gpus",
+        2,
+        *TINY,
+        "--recipe",
+        "fast",
+        "--batch-size",
+        32,
+        "--epochs",
+        2,
+        "--set",
+        "extra_epochs=0",
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        *[a for o in options for a in ("--set", o)],
+        "--save",
+        tmp_path / "w.pt",
+        "--log-json",
+        tmp_path / "log.jsonl",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+    )
     assert result.returncode == 0, result.stderr
     assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
     check_slow_bf16_warning(result.stderr)
@@ -110,8 +160,21 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
-    table = run([sys.executable, "bench/eval_variants.py", "--data-dir", cifar_dir, "--val-subset", VAL_IMAGES,
-                 "--translate", 1, "--recalibrate", 100, tmp_path / "ckpt" / "checkpoint.pt"])
+    table = run(
+        [
+            sys.executable,
+            "bench/eval_variants.py",
+            "--data-dir",
+            cifar_dir,
+            "--val-subset",
+            VAL_IMAGES,
+            "--translate",
+            1,
+            "--recalibrate",
+            100,
+            tmp_path / "ckpt" / "checkpoint.pt",
+        ]
+    )
     assert table.returncode == 0, table.stderr
     cells = [c.strip() for c in table.stdout.splitlines()[-1].strip("|").split("|")]
     assert cells[1] == "end of epoch 2" and cells[2] != cells[4]  # raw weights and EMA differ
@@ -141,8 +204,19 @@ CLIPPED = ["--base-lr", 1.0, "--set", "grad_clip_norm=0.001", "--set", "lr_sched
 
 def one_step(cifar_dir, weights, *flags):
     """ONE_STEP (1 step per epoch) on 2 processes with residual_bn_init=0.2; the final weights in `weights`."""
-    result = run_raw("--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir, "--set", "residual_bn_init=0.2",
-                     *flags, "--save", weights)
+    result = run_raw(
+        "--num-gpus",
+        2,
+        *TINY,
+        *ONE_STEP,
+        "--data-dir",
+        cifar_dir,
+        "--set",
+        "residual_bn_init=0.2",
+        *flags,
+        "--save",
+        weights,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -185,7 +259,9 @@ def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifa
     shares = [recalibration_batches(train_set, recipe, rank, 2, "cpu") for rank in (0, 1)]
     assert [[len(b) for b in share] for share in shares] == [[16, 16, 16]] * 2  # 50 each: the short 4th batch dropped
     plain = DeviceBatches(images, labels, "cpu", augment=False)[torch.arange(len(labels))][0]
-    rows = [[int((plain == image).flatten(1).all(1).nonzero()) for batch in share for image in batch] for share in shares]
+    rows = [
+        [int((plain == image).flatten(1).all(1).nonzero()) for batch in share for image in batch] for share in shares
+    ]
     assert len(set(rows[0] + rows[1])) == 96 and not set(rows[0]) & set(rows[1])  # unaugmented training images
     again = recalibration_batches(train_set, recipe, 0, 2, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(again, shares[0]))
@@ -199,12 +275,17 @@ def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifa
 
 def random_train_set(n: int) -> DeviceBatches:
     generator = torch.Generator().manual_seed(0)
-    return DeviceBatches(torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=generator),
-                         torch.randint(0, 10, (n,), generator=generator), "cpu", augment=False)
+    return DeviceBatches(
+        torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=generator),
+        torch.randint(0, 10, (n,), generator=generator),
+        "cpu",
+        augment=False,
+    )
 
 
-@pytest.mark.parametrize("images, world_size, batch_size", [(511, 2, 128), (5000, 2, 128), (100, 3, 16),
-                                                             (21, 4, 8), (7, 2, 128)])
+@pytest.mark.parametrize(
+    "images, world_size, batch_size", [(511, 2, 128), (5000, 2, 128), (100, 3, 16), (21, 4, 8), (7, 2, 128)]
+)
 def test_recalibration_gives_every_rank_the_same_batches(images, world_size, batch_size):
     """Equal batch counts (sync_bn runs a collective in every BatchNorm forward: 2 batches against 1 hung) and
     equal batch sizes on every rank, as many images as the docstring says, no image twice."""
@@ -248,6 +329,7 @@ def test_recalibration_with_a_collective_per_forward_does_not_hang():
     """2 ranks x 128 per batch, 511 images: the ranks once ran 2 and 1 batches, and a collective in each
     forward (sync_bn's; it needs CUDA, so a stand-in module does the same here) left one rank waiting."""
     from conftest import finish, free_port, start
+
     port = free_port()
     ranks = [start([sys.executable, "-c", SYNC_BN_STAND_IN, rank, port]) for rank in (0, 1)]
     results = [finish(proc, 180) for proc in ranks]  # a whole 2-rank run on a loaded machine: never 60 s
@@ -262,8 +344,12 @@ def test_recalibrate_bn_leaves_the_training_random_stream_alone():
     torch.manual_seed(0)
     expected = torch.rand(5)
     torch.manual_seed(0)
-    recalibrate_bn(net, [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))],
-                   dict(device_type="cpu", enabled=False), lambda stat: None)
+    recalibrate_bn(
+        net,
+        [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))],
+        dict(device_type="cpu", enabled=False),
+        lambda stat: None,
+    )
     assert torch.equal(torch.rand(5), expected)
     assert not torch.equal(net[2].running_var, torch.ones(3))  # it did re-estimate
 

@@ -1,6 +1,7 @@
 """The modules of cifar_wrn/ import each other without a circle (issue 28): errors.py is the ground floor,
 and no module imports one that imports it back, directly or through others. Read from the source with ast,
 imports inside functions included (a deferred import hides a circle, it does not remove it)."""
+
 import ast
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def find_cycle(graph: dict) -> list | None:
         stack.append(module)
         for other in sorted(graph[module]):
             if state.get(other) == "open":
-                return stack[stack.index(other):] + [other]
+                return stack[stack.index(other) :] + [other]
             if other not in state and (cycle := visit(other)):
                 return cycle
         state[module] = "done"
@@ -71,6 +72,8 @@ def test_errors_is_the_ground_floor():
 def test_the_cycle_finder_finds_circles(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
-    (tmp_path / "m.py").write_text("def f():\n    from .progress import close_all\nimport cifar_wrn.data\n"
-                                   "from cifar_wrn import model, os\nfrom os import path\n")
+    (tmp_path / "m.py").write_text(
+        "def f():\n    from .progress import close_all\nimport cifar_wrn.data\n"
+        "from cifar_wrn import model, os\nfrom os import path\n"
+    )
     assert imported_modules(tmp_path / "m.py", {"progress", "data", "model", "m"}) == {"progress", "data", "model"}

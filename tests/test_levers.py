@@ -1,9 +1,12 @@
-"""The structural levers of issue 25 (docs/optimizations.md, 14): Muon, BatchNorm rates, Lookahead, alternating flips."""
+"""The structural levers (docs/optimizations.md, 14): Muon, BatchNorm rates, Lookahead, alternating flips."""
+
 import json
 import sys
 
 import pytest
 import torch
+from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, free_port, run
+from conftest import raw_ddp as run_raw
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from cifar_wrn.data import MEAN, STD, DeviceBatches, SkipFirst, alternating_flips
@@ -11,10 +14,18 @@ from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import NS_COEFFICIENTS, MuonSGD, orthogonalise
 from cifar_wrn.recipe import Recipe, RecipeError, build_optimizer, build_training, load_recipe
 from cifar_wrn.runlog import read_log
-from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, free_port, raw_ddp as run_raw, run
 
-LEVERS = ["muon=true", "muon_lr=0.05", "lookahead_steps=3", "lookahead_alpha=0.5", "bn_bias_lr_scale=4",
-          "freeze_bn_scale=true", "augment=true", "crop_padding=0", "alternating_flip=true"]
+LEVERS = [
+    "muon=true",
+    "muon_lr=0.05",
+    "lookahead_steps=3",
+    "lookahead_alpha=0.5",
+    "bn_bias_lr_scale=4",
+    "freeze_bn_scale=true",
+    "augment=true",
+    "crop_padding=0",
+    "alternating_flip=true",
+]
 
 
 def newton_schulz_float64(matrix: torch.Tensor, steps: int) -> torch.Tensor:
@@ -34,6 +45,7 @@ def kernel_grads(shape, steps, seed=0):
 
 
 # ----------------------------------------------------------------------------- Muon
+
 
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48)])
 @pytest.mark.parametrize("steps", [3, 5])
@@ -74,15 +86,19 @@ def test_muon_nesterov_momentum_and_renormalisation_follow_airbench_rule():
     torch.manual_seed(0)
     kernel = torch.nn.Parameter(torch.randn(8, 4, 3, 3) * 0.1)
     expected = kernel.detach().double().clone()
-    optimizer = MuonSGD([{"params": [kernel], "muon": True, "renormalize": True, "momentum": 0.6, "nesterov": True}],
-                        lr=0.2, momentum=0.9, nesterov=False)
+    optimizer = MuonSGD(
+        [{"params": [kernel], "muon": True, "renormalize": True, "momentum": 0.6, "nesterov": True}],
+        lr=0.2,
+        momentum=0.9,
+        nesterov=False,
+    )
     buffer = torch.zeros(8, 4, 3, 3)
     for grad in kernel_grads((8, 4, 3, 3), 2, seed=3):
         kernel.grad = grad.clone()
         optimizer.step()
         buffer = buffer * 0.6 + grad  # in float32, as the optimizer: exactly its buffer
         update = newton_schulz_float64((grad + 0.6 * buffer).reshape(8, -1), 3).view_as(expected)
-        expected = expected * (8 ** 0.5 / expected.norm()) - 0.2 * update
+        expected = expected * (8**0.5 / expected.norm()) - 0.2 * update
     assert torch.equal(optimizer.state[kernel]["momentum_buffer"], buffer)  # plain momentum (not an average)
     assert (kernel.detach().double() - expected).norm() < 0.02 * expected.norm()
 
@@ -108,8 +124,9 @@ def test_sgd_groups_step_exactly_like_torch_sgd():
     models[1].load_state_dict(models[0].state_dict())
     recipe = Recipe(momentum=0.9, nesterov=True, weight_decay=5e-4, bn_lr_scale=4.0)
     reference = build_optimizer(models[0], recipe, lr=0.1)
-    ours = MuonSGD([dict(g) for g in build_optimizer(models[1], recipe, lr=0.1).param_groups], lr=0.1,
-                   momentum=0.9, nesterov=True)
+    ours = MuonSGD(
+        [dict(g) for g in build_optimizer(models[1], recipe, lr=0.1).param_groups], lr=0.1, momentum=0.9, nesterov=True
+    )
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     for model, optimizer in zip(models, (reference, ours)):
         torch.manual_seed(1)  # the same dropout masks
@@ -122,6 +139,7 @@ def test_sgd_groups_step_exactly_like_torch_sgd():
 
 
 # ----------------------------------------------------------------------------- BatchNorm rates
+
 
 def test_frozen_batchnorm_scales_never_move_and_the_bias_group_has_its_rate():
     recipe = load_recipe("fast", {"bn_bias_lr_scale": 16.0, "freeze_bn_scale": True})
@@ -140,8 +158,9 @@ def test_frozen_batchnorm_scales_never_move_and_the_bias_group_has_its_rate():
         scheduler.step()
     factor = scheduler.get_last_lr()[0] / lr  # the schedule's multiplier after 4 steps
     assert group_of[id(norms[0].bias)]["lr"] == pytest.approx(lr * 4 * 16 * factor)
-    assert group_of[id(norms[0].weight)]["lr"] == 0.0 and group_of[id(model.head[2].bias)]["lr"] == \
-        pytest.approx(lr * 4 * factor)  # the other biases keep bn_lr_scale
+    assert group_of[id(norms[0].weight)]["lr"] == 0.0 and group_of[id(model.head[2].bias)]["lr"] == pytest.approx(
+        lr * 4 * factor
+    )  # the other biases keep bn_lr_scale
     assert all(torch.equal(m.weight, s) for m, s in zip(norms, scales))
     assert norms[0].weight.grad is not None  # they do get gradients: the optimizer leaves them where they are
     assert any(not torch.equal(m.bias, b) for m, b in zip(norms, biases))
@@ -155,14 +174,14 @@ def test_default_levers_keep_todays_optimizer():
 
 # ----------------------------------------------------------------------------- Lookahead
 
+
 def test_lookahead_pulls_slow_weights_every_k_steps():
     """k = 3, alpha = 0.5, on a linear layer: live weights after SGD steps, the slow ones by the rule."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     plain = torch.nn.Linear(4, 3)
     plain.load_state_dict(layer.state_dict())
-    optimizer = MuonSGD(layer.parameters(), lr=0.1, momentum=0.9, nesterov=True, lookahead_steps=3,
-                        lookahead_alpha=0.5)
+    optimizer = MuonSGD(layer.parameters(), lr=0.1, momentum=0.9, nesterov=True, lookahead_steps=3, lookahead_alpha=0.5)
     sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     slow = [p.detach().clone() for p in plain.parameters()]
     inputs = torch.randn(7, 8, 4, generator=torch.Generator().manual_seed(1))
@@ -176,9 +195,13 @@ def test_lookahead_pulls_slow_weights_every_k_steps():
                 for s, p in zip(slow, plain.parameters()):
                     s += 0.5 * (p - s)
                     p.copy_(s)
-        torch.testing.assert_close(list(layer.parameters()), list(plain.parameters()), rtol=1e-5, atol=1e-6)  # lerp rounds its own way
+        torch.testing.assert_close(
+            list(layer.parameters()), list(plain.parameters()), rtol=1e-5, atol=1e-6
+        )  # lerp rounds its own way
     assert not torch.equal(optimizer.state[layer.weight]["slow"], layer.weight.detach())  # 1 step after a pull
-    torch.testing.assert_close(optimizer.state[layer.weight]["slow"], slow[0], rtol=1e-5, atol=1e-6)  # lerp rounds its own way
+    torch.testing.assert_close(
+        optimizer.state[layer.weight]["slow"], slow[0], rtol=1e-5, atol=1e-6
+    )  # lerp rounds its own way
 
 
 def test_state_dict_round_trip_continues_exactly():
@@ -217,10 +240,13 @@ def test_state_dict_round_trip_continues_exactly():
 
 # ----------------------------------------------------------------------------- alternating flips
 
+
 def test_alternating_flips_show_every_image_once_mirrored_over_two_epochs():
     n, world_size = 40, 2
     images = torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    normalised = (images.float() - torch.tensor(MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(STD).view(1, 3, 1, 1) * 255)
+    normalised = (images.float() - torch.tensor(MEAN).view(1, 3, 1, 1) * 255) / (
+        torch.tensor(STD).view(1, 3, 1, 1) * 255
+    )
     flips = alternating_flips(n, seed=5)
     assert torch.equal(flips, alternating_flips(n, seed=5)) and 0 < flips.sum() < n  # the same on every rank
     mirrored = {}  # (epoch, image) -> mirrored?
@@ -240,15 +266,18 @@ def test_alternating_flips_show_every_image_once_mirrored_over_two_epochs():
     assert all(mirrored[4, i] == bool(flips[i]) for i in range(n))  # even epochs: the bit itself
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"muon_lr": 0.0}, "muon_lr must be a positive number"),
-    ({"muon_momentum": 1.0}, r"muon_momentum must be in \[0, 1\)"),
-    ({"bn_bias_lr_scale": -1.0}, "bn_bias_lr_scale must be a positive number"),
-    ({"lookahead_steps": -1}, "lookahead_steps must be >= 0"),
-    ({"lookahead_alpha": 0.0}, r"lookahead_alpha must be in \(0, 1\]"),
-    ({"alternating_flip": True}, "alternating_flip needs augment: true and data_pipeline: device"),
-    ({"alternating_flip": True, "augment": True, "data_pipeline": "dataloader"}, "alternating_flip needs"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"muon_lr": 0.0}, "muon_lr must be a positive number"),
+        ({"muon_momentum": 1.0}, r"muon_momentum must be in \[0, 1\)"),
+        ({"bn_bias_lr_scale": -1.0}, "bn_bias_lr_scale must be a positive number"),
+        ({"lookahead_steps": -1}, "lookahead_steps must be >= 0"),
+        ({"lookahead_alpha": 0.0}, r"lookahead_alpha must be in \(0, 1\]"),
+        ({"alternating_flip": True}, "alternating_flip needs augment: true and data_pipeline: device"),
+        ({"alternating_flip": True, "augment": True, "data_pipeline": "dataloader"}, "alternating_flip needs"),
+    ],
+)
 def test_lever_values_are_checked(overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe("fast", overrides)
@@ -262,13 +291,17 @@ def test_a_bad_lever_value_is_one_error_line(cifar_dir):
 
 # ----------------------------------------------------------------------------- under DDP, end to end
 
+
 def test_replicas_stay_identical_with_muon_and_lookahead(tmp_path):
     """tests/ddp_equivalence.py with the levers: bitwise equal weights on both ranks after every step, and
     the same weights as one process on both ranks' batches (up to the bf16 of Newton-Schulz)."""
     out = tmp_path / "result.json"
     levers = {"muon": True, "muon_lr": 0.02, "lookahead_steps": 2, "lookahead_alpha": 0.5}
-    result = run([sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port(), json.dumps(levers)],
-                 timeout=120, env=cpu_env(PYTHONPATH=REPO))
+    result = run(
+        [sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port(), json.dumps(levers)],
+        timeout=120,
+        env=cpu_env(PYTHONPATH=REPO),
+    )
     assert result.returncode == 0, result.stderr
     checks = json.loads(out.read_text())
     assert checks["identical"], "parameters differ between ranks"
@@ -279,17 +312,42 @@ def test_replicas_stay_identical_with_muon_and_lookahead(tmp_path):
 def test_every_lever_end_to_end_and_resumed_exactly(cifar_dir, tmp_path):
     """2 processes, the fast recipe with every lever on: it trains, and a run stopped after epoch 1 and
     resumed from its checkpoint ends with the same weights and metrics as one that was not."""
-    common = ["--num-gpus", 2, *TINY, "--recipe", "fast", "--batch-size", 32, "--data-dir", cifar_dir,
-              "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES, "--dist-timeout", 60,
-              *[a for o in LEVERS + ["lr_schedule=constant", "extra_epochs=0"] for a in ("--set", o)]]
+    common = [
+        "--num-gpus",
+        2,
+        *TINY,
+        "--recipe",
+        "fast",
+        "--batch-size",
+        32,
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--dist-timeout",
+        60,
+        *[a for o in LEVERS + ["lr_schedule=constant", "extra_epochs=0"] for a in ("--set", o)],
+    ]
     # (extra_epochs=0: fast.yaml's safety net could add an epoch after --epochs 1 or 2; tests/test_safety_net.py)
     straight = run_raw(*common, "--epochs", 2, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl")
     assert straight.returncode == 0, straight.stderr
     first = run_raw(*common, "--epochs", 1, "--checkpoint-dir", tmp_path / "ck")
     assert first.returncode == 0, first.stderr
     # (a constant schedule: with warmup_linear the budget `epochs` is part of the recipe and cannot change)
-    second = run_raw(*common, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck", "--resume",
-                     "--save", tmp_path / "b.pt", "--log-json", tmp_path / "b.jsonl")
+    second = run_raw(
+        *common,
+        "--epochs",
+        2,
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        "--resume",
+        "--save",
+        tmp_path / "b.pt",
+        "--log-json",
+        tmp_path / "b.jsonl",
+    )
     assert second.returncode == 0 and "Resuming from" in second.stdout, second.stderr
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,19 +1,28 @@
 """Pure, single-process tests: the model, data loading and validation, recipes."""
+
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from conftest import TRAIN_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
-from cifar_wrn.data import (CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits)
+from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
-from cifar_wrn.recipe import (Recipe, RecipeError, build_optimizer, build_scheduler, load_recipe, parse_set,
-                              scaled_lr, slow_bf16_warning)
-from conftest import TRAIN_IMAGES, write_cifar
-
+from cifar_wrn.recipe import (
+    Recipe,
+    RecipeError,
+    build_optimizer,
+    build_scheduler,
+    load_recipe,
+    parse_set,
+    scaled_lr,
+    slow_bf16_warning,
+)
 
 # ----------------------------------------------------------------------------- model
+
 
 def test_default_model_is_the_course_network():
     model = WideResNet()
@@ -32,6 +41,7 @@ def test_model_structure():
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def test_load_split_reads_official_layout(cifar_dir):
     images, labels = load_split(cifar_dir, train=True, subset=TRAIN_IMAGES)
@@ -59,16 +69,25 @@ def test_missing_folder_says_how_to_provide(tmp_path):
     assert "shared/" not in str(err.value) and "prepare_cifar10" not in str(err.value)  # nothing a user lacks
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "truncated or corrupt"),
-    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.float32), "labels": [0] * 4}, open(p, "wb")),
-     "must be uint8"),
-    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1, 2, 10]}, open(p, "wb")),
-     "labels must be 0-9"),
-    (lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1]}, open(p, "wb")),
-     "4 images but 2 labels"),
-    (lambda p: pickle.dump([1, 2, 3], open(p, "wb")), "not a CIFAR-10 batch"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:1000]), "truncated or corrupt"),
+        (
+            lambda p: pickle.dump({"data": np.zeros((4, 3072), np.float32), "labels": [0] * 4}, open(p, "wb")),
+            "must be uint8",
+        ),
+        (
+            lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1, 2, 10]}, open(p, "wb")),
+            "labels must be 0-9",
+        ),
+        (
+            lambda p: pickle.dump({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1]}, open(p, "wb")),
+            "4 images but 2 labels",
+        ),
+        (lambda p: pickle.dump([1, 2, 3], open(p, "wb")), "not a CIFAR-10 batch"),
+    ],
+)
 def test_damaged_file_is_named(tmp_path, damage, message):
     write_cifar(tmp_path, per_train_file=4, val_images=4)
     path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
@@ -95,9 +114,9 @@ def test_dataset_normalises_and_augments():
 def test_sampler_shards_are_disjoint_cover_and_reshuffle():
     dataset = list(range(101))
     shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
-    assert len(shards[0]) == len(shards[1]) == 51               # padded to equal length
-    assert set(shards[0]) | set(shards[1]) == set(range(101))   # cover
-    assert len(set(shards[0]) & set(shards[1])) == 1            # only the single padding repeat
+    assert len(shards[0]) == len(shards[1]) == 51  # padded to equal length
+    assert set(shards[0]) | set(shards[1]) == set(range(101))  # cover
+    assert len(set(shards[0]) & set(shards[1])) == 1  # only the single padding repeat
     sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
     sampler.set_epoch(0)
     first = list(sampler)
@@ -126,11 +145,15 @@ def test_evaluate_returns_exact_sums():
         logits = model(images[:9])
     assert totals[2] == 9
     assert totals[1] == (logits.argmax(1) == labels[:9]).sum()
-    torch.testing.assert_close(totals[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum"))
+    torch.testing.assert_close(
+        totals[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum")
+    )
     shifted = evaluate(model, loader, mask, torch.device("cpu"), tta_flip=True, tta_translate=1)
     with torch.no_grad():
         logits = tta_logits(model, images[:9], flip=True, translate=1)
-    torch.testing.assert_close(shifted[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum"))
+    torch.testing.assert_close(
+        shifted[0].float(), torch.nn.functional.cross_entropy(logits, labels[:9], reduction="sum")
+    )
     assert shifted[0] != totals[0]  # the views changed the logits
 
 
@@ -143,22 +166,29 @@ def test_tta_logits_weights_each_view(channels_last):
         x = x.contiguous(memory_format=torch.channels_last)
     pixels = lambda images: images.flatten(1)  # noqa: E731
     back, ahead = torch.tensor([1, 0, 1, 2, 3]), torch.tensor([1, 2, 3, 4, 3])  # row/column i shows i -/+ 1,
-    down_right = x[:, :, back][:, :, :, back]                                # mirrored at the edge
+    down_right = x[:, :, back][:, :, :, back]  # mirrored at the edge
     up_left = x[:, :, ahead][:, :, :, ahead]
     torch.testing.assert_close(tta_logits(pixels, x), pixels(x))
     torch.testing.assert_close(tta_logits(pixels, x, flip=True), (pixels(x) + pixels(x.flip(3))) / 2)
-    torch.testing.assert_close(tta_logits(pixels, x, translate=1),
-                               pixels(x) / 2 + (pixels(down_right) + pixels(up_left)) / 4)
+    torch.testing.assert_close(
+        tta_logits(pixels, x, translate=1), pixels(x) / 2 + (pixels(down_right) + pixels(up_left)) / 4
+    )
     both = [(pixels(v) + pixels(v.flip(3))) / 2 for v in (x, down_right, up_left)]
     torch.testing.assert_close(tta_logits(pixels, x, flip=True, translate=1), both[0] / 2 + (both[1] + both[2]) / 4)
 
 
 # ----------------------------------------------------------------------------- recipes
 
+
 def test_baseline_recipe_is_the_course_default():
     recipe = load_recipe("baseline")
     assert (recipe.batch_size, recipe.base_lr, recipe.epochs, recipe.target_accuracy, recipe.patience) == (
-        32, 0.01, 40, 0.85, 2)
+        32,
+        0.01,
+        40,
+        0.85,
+        2,
+    )
     assert recipe.precision == "fp32" and recipe.momentum == 0.0
 
 
@@ -170,22 +200,27 @@ def test_recipe_overrides_are_typed():
 def test_bf16_on_a_cpu_without_bfloat16_kernels_is_warned_of():
     """Only bf16 on a CPU that lacks the kernels: the warning names the way out (precision=fp32)."""
     warning = slow_bf16_warning("cpu", "bf16", native=False)
-    assert warning.startswith("warning: precision bf16 on a CPU without bfloat16 kernels") and \
-        "--set precision=fp32" in warning
+    assert (
+        warning.startswith("warning: precision bf16 on a CPU without bfloat16 kernels")
+        and "--set precision=fp32" in warning
+    )
     assert slow_bf16_warning("cpu", "bf16", native=True) is None
     assert slow_bf16_warning("cpu", "fp32", native=False) is None and slow_bf16_warning("cuda", "bf16", False) is None
     # Left to find out, it asks oneDNN (this machine's answer decides what the end-to-end runs must print).
     assert slow_bf16_warning("cpu", "bf16") == (None if torch.ops.mkldnn._is_mkldnn_bf16_supported() else warning)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"momentun": "0.9"}, "unknown recipe key 'momentun'"),
-    ({"epochs": "ten"}, "'epochs' must be int"),
-    ({"precision": "fp8"}, "precision must be one of"),
-    ({"batch_size": 0}, "batch_size must be >= 1"),
-    ({"target_accuracy": 85}, "target_accuracy is a fraction"),
-    ({"grad_clip_norm": -1}, "grad_clip_norm must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"momentun": "0.9"}, "unknown recipe key 'momentun'"),
+        ({"epochs": "ten"}, "'epochs' must be int"),
+        ({"precision": "fp8"}, "precision must be one of"),
+        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"target_accuracy": 85}, "target_accuracy is a fraction"),
+        ({"grad_clip_norm": -1}, "grad_clip_norm must be >= 0"),
+    ],
+)
 def test_bad_overrides_are_rejected(overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe("baseline", overrides)
@@ -223,7 +258,7 @@ def test_linear_lr_scaling_and_schedule():
     assert [g["weight_decay"] for g in opt.param_groups] == [5e-4, 0.0]
     assert all(p.ndim <= 1 for p in opt.param_groups[1]["params"])
     lrs = learning_rates(warm, steps=20)
-    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)   # 5 warmup steps
+    assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)  # 5 warmup steps
     assert lrs[-1] == pytest.approx(1 / 15) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
@@ -237,8 +272,10 @@ def test_anneal_epochs_ends_the_decay_early():
     assert learning_rates(Recipe(**warm, anneal_epochs=3.0), 30) == learning_rates(Recipe(**warm), 30)
 
 
-@pytest.mark.parametrize("anneal, message", [(0.5, "anneal_epochs 0.5 must be longer than warmup_epochs 0.5"),
-                                             (-1.0, "anneal_epochs must be >= 0")])
+@pytest.mark.parametrize(
+    "anneal, message",
+    [(0.5, "anneal_epochs 0.5 must be longer than warmup_epochs 0.5"), (-1.0, "anneal_epochs must be >= 0")],
+)
 def test_anneal_epochs_is_checked(anneal, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe("fast", {"anneal_epochs": anneal})
@@ -246,6 +283,7 @@ def test_anneal_epochs_is_checked(anneal, message):
 
 def test_residual_bn_init_is_an_initialisation_only():
     from cifar_wrn.model import init_residual_bn
+
     torch.manual_seed(0)
     default = WideResNet(width=4)
     torch.manual_seed(0)
@@ -255,8 +293,10 @@ def test_residual_bn_init_is_an_initialisation_only():
     assert all((scaled.state_dict()[k] == 0.25).all() for k in changed)
     assert count_parameters(scaled) == count_parameters(default)
     torch.manual_seed(0)
-    assert all(torch.equal(a, b) for a, b in zip(init_residual_bn(WideResNet(width=4), 1.0).state_dict().values(),
-                                                  default.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(init_residual_bn(WideResNet(width=4), 1.0).state_dict().values(), default.state_dict().values())
+    )
 
 
 def original_or_mirror(x, plain):
@@ -268,13 +308,15 @@ def test_crop_padding_zero_augments_with_flips_only():
     """crop_padding 0 (flips only) in both pipelines: every training image is the original or its mirror
     image, both occur, and the default (4) still crops."""
     from cifar_wrn.data import DeviceBatches, make_datasets
+
     torch.manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
     labels = torch.arange(64) % 10
     plain = torch.stack([CIFAR10(images, labels, augment=False)[i][0] for i in range(64)])
     for pipeline in ("device", "dataloader"):
-        recipe = load_recipe("fast", {"data_pipeline": pipeline, "augment": True, "crop_padding": 0,
-                                      "channels_last": False})
+        recipe = load_recipe(
+            "fast", {"data_pipeline": pipeline, "augment": True, "crop_padding": 0, "channels_last": False}
+        )
         train, _ = make_datasets((images, labels), (images, labels), recipe, torch.device("cpu"), rank=0)
         x = train[list(range(64))][0] if pipeline == "device" else torch.stack([train[i][0] for i in range(64)])
         same = torch.isclose(x, plain, atol=1e-5).flatten(1).all(1)
@@ -289,6 +331,7 @@ def test_crop_padding_zero_augments_with_flips_only():
 def test_crop_padding_bounds_the_shift(pad):
     """White images: the zero padding (negative once normalised) reaches exactly `pad` pixels in."""
     from cifar_wrn.data import DeviceBatches
+
     white = torch.full((256, 3, 32, 32), 255, dtype=torch.uint8)
     labels = torch.zeros(256, dtype=torch.long)
     device_batch = DeviceBatches(white, labels, "cpu", augment=True, crop_padding=pad)[list(range(256))][0]
@@ -296,7 +339,7 @@ def test_crop_padding_bounds_the_shift(pad):
     per_image = torch.stack([CIFAR10(white, labels, augment=True, crop_padding=pad)[i][0] for i in range(256)])
     for x in (device_batch, per_image):
         padding = x[:, 0] < 0
-        assert not padding[:, pad:32 - pad, pad:32 - pad].any()
+        assert not padding[:, pad : 32 - pad, pad : 32 - pad].any()
         assert padding[:, pad - 1].any() and padding[:, :, 32 - pad].any()
 
 
@@ -347,6 +390,7 @@ class SignalsItself(torch.utils.data.Dataset):
     def __getitem__(self, i):
         import os
         import signal
+
         os.kill(os.getpid(), signal.SIGUSR1)  # what srun does to every process on a stop request
         return i
 
@@ -354,8 +398,10 @@ class SignalsItself(torch.utils.data.Dataset):
 @pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_loader_workers_survive_a_stop_signal():
     from cifar_wrn.data import ignore_stop_signal
-    loader = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1,
-                                         worker_init_fn=ignore_stop_signal, multiprocessing_context="spawn")
+
+    loader = torch.utils.data.DataLoader(
+        SignalsItself(), batch_size=2, num_workers=1, worker_init_fn=ignore_stop_signal, multiprocessing_context="spawn"
+    )
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     bare = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
     with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):

@@ -1,8 +1,10 @@
 """--profile and --trace on a real 2-process CPU run."""
+
 import re
 
-from cifar_wrn.runlog import read_log
 from conftest import check_profile
+
+from cifar_wrn.runlog import read_log
 
 
 def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(torchrun_profile_run):

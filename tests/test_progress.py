@@ -7,6 +7,7 @@ validation bar); with stdout and stderr in files (a Slurm output file, a CI log)
 carriage return, and the epoch lines are the same as in the terminal run (times aside: the validation metrics
 to the digit, so the bar does not change training either).
 """
+
 import argparse
 import fcntl
 import io
@@ -23,25 +24,30 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, TINY, VAL_IMAGES, cpu_env, kill_all
+from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
 from cifar_wrn import progress
 from cifar_wrn.cli import add_training_flags, show_progress
 from cifar_wrn.data import CIFAR10, DeviceBatches, evaluate, load_split
 from cifar_wrn.model import WideResNet
-from conftest import REPO, TINY, VAL_IMAGES, cpu_env, kill_all
-from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
 TIMEOUT = 240  # seconds per run; every process it started is killed after that (conftest.kill_all)
-STEPS = 5      # 320 training images, 32 per process, 2 processes
-EPOCH_LINE = re.compile(r"^Epoch = +1: Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+STEPS = 5  # 320 training images, 32 per process, 2 processes
+EPOCH_LINE = re.compile(
+    r"^Epoch = +1: Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
+    re.M,
+)
 
 
 # ----------------------------------------------------------------------------- the bars, in this process
 
+
 class Spy(torch.Tensor):
     """A loss tensor that records every torch operation on it and on what is computed from it."""
+
     calls: list = []
 
     @classmethod
@@ -70,9 +76,11 @@ def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
             reads.append((step + 1, bar._bar.postfix))
     bar.close()
     first = (start_step, 9)  # the losses (= step indices) of the first window: steps start_step + 1 ... 10
-    assert reads == [(10, f"loss={sum(range(first[0], first[1] + 1)) / (first[1] - first[0] + 1):.3f}"),
-                     (20, f"loss={sum(range(10, 20)) / 10:.3f}"),
-                     (25, f"loss={sum(range(20, 25)) / 5:.3f}")]
+    assert reads == [
+        (10, f"loss={sum(range(first[0], first[1] + 1)) / (first[1] - first[0] + 1):.3f}"),
+        (20, f"loss={sum(range(10, 20)) / 10:.3f}"),
+        (25, f"loss={sum(range(20, 25)) / 5:.3f}"),
+    ]
     err = capsys.readouterr().err
     assert "epoch 3" in err and f"{start_step}/25" in err and "25/25" in err and "img/s" in err
     assert "loss=22.000" in err and "\r" in err
@@ -81,7 +89,7 @@ def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
 def test_hidden_bars_write_nothing_and_touch_nothing(capsys):
     bar = progress.EpochBar(False, 1, 25, images_per_step=64)
     Spy.calls.clear()
-    for step in range(25):
+    for _ in range(25):
         bar.step(torch.tensor(1.0).as_subclass(Spy))
     bar.close()
     bar.close()
@@ -125,6 +133,7 @@ def test_a_terminal_without_a_size_still_gets_a_bar(monkeypatch):
             except OSError:  # EIO: the terminal's side is closed and everything written was read
                 return
             received.append(data)
+
     reader = threading.Thread(target=read)
     reader.start()
     with open(terminal, "w") as stream, monkeypatch.context() as patch:
@@ -152,14 +161,17 @@ class FakeStderr(io.StringIO):
         return self.terminal
 
 
-@pytest.mark.parametrize("flags, terminal, is_main, shown", [
-    ([], True, True, True),                        # auto: a terminal
-    ([], False, True, False),                      # auto: a file or a pipe
-    ([], True, False, False),                      # never on the other ranks
-    (["--progress", "on"], False, True, True),     # asked for
-    (["--progress", "on"], True, False, False),
-    (["--progress", "off"], True, True, False),    # refused
-])
+@pytest.mark.parametrize(
+    "flags, terminal, is_main, shown",
+    [
+        ([], True, True, True),  # auto: a terminal
+        ([], False, True, False),  # auto: a file or a pipe
+        ([], True, False, False),  # never on the other ranks
+        (["--progress", "on"], False, True, True),  # asked for
+        (["--progress", "on"], True, False, False),
+        (["--progress", "off"], True, True, False),  # refused
+    ],
+)
 def test_show_progress(flags, terminal, is_main, shown, monkeypatch):
     parser = argparse.ArgumentParser()
     add_training_flags(parser)
@@ -183,9 +195,14 @@ def test_evaluate_through_a_validation_bar(cifar_dir, capsys):
     model = WideResNet(width=4)
     mask = torch.ones(VAL_IMAGES, dtype=torch.bool)
     cpu = torch.device("cpu")
-    loaders = [DataLoader(CIFAR10(images, labels, augment=False), batch_size=16),
-               DataLoader(DeviceBatches(images, labels, "cpu", augment=False), batch_size=None,
-                          sampler=BatchSampler(range(VAL_IMAGES), 16, drop_last=False))]
+    loaders = [
+        DataLoader(CIFAR10(images, labels, augment=False), batch_size=16),
+        DataLoader(
+            DeviceBatches(images, labels, "cpu", augment=False),
+            batch_size=None,
+            sampler=BatchSampler(range(VAL_IMAGES), 16, drop_last=False),
+        ),
+    ]
     for loader in loaders:
         expected = evaluate(model, loader, mask, cpu)
         assert torch.equal(evaluate(model, progress.validation_bar(True, loader), mask, cpu), expected)
@@ -195,10 +212,30 @@ def test_evaluate_through_a_validation_bar(cifar_dir, capsys):
 
 # ----------------------------------------------------------------------------- both trainers, end to end
 
+
 def raw_command(data_dir, *flags):
-    return [sys.executable, "raw_ddp.py", "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, *TINY,
-            "--dist-timeout", 60, "--data-dir", data_dir, "--train-subset", 320, "--val-subset", VAL_IMAGES,
-            "--epochs", 1, *flags]
+    return [
+        sys.executable,
+        "raw_ddp.py",
+        "--num-nodes",
+        1,
+        "--node-id",
+        0,
+        "--num-gpus",
+        2,
+        *TINY,
+        "--dist-timeout",
+        60,
+        "--data-dir",
+        data_dir,
+        "--train-subset",
+        320,
+        "--val-subset",
+        VAL_IMAGES,
+        "--epochs",
+        1,
+        *flags,
+    ]
 
 
 def accel_command(data_dir, *flags):
@@ -216,8 +253,15 @@ def run_in_terminal(cmd, env) -> tuple[int, str, str]:
     attributes = termios.tcgetattr(terminal)
     attributes[1] &= ~termios.OPOST  # no "\n" -> "\r\n": every carriage return read back was written by the run
     termios.tcsetattr(terminal, termios.TCSANOW, attributes)
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=terminal, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        start_new_session=True,
+    )
     os.close(terminal)
     out_fd = proc.stdout.fileno()
     received = {controller: [], out_fd: []}
@@ -250,8 +294,15 @@ def run_in_terminal(cmd, env) -> tuple[int, str, str]:
 def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
     """Run with stdout and stderr in files, as a Slurm job or a CI log has them."""
     with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -308,5 +359,5 @@ def test_an_error_starts_on_its_own_line(cifar_dir):
     at the agreement at step 2): the bar is erased before the error message, which does not run on after it."""
     rc, stdout, terminal = run_in_terminal(raw_command(cifar_dir, "--set", "base_lr=1.0e+12"), cpu_env())
     assert rc == 1, terminal[-3000:]
-    line = terminal[:terminal.index("error: non-finite loss")].rsplit("\n", 1)[-1]
+    line = terminal[: terminal.index("error: non-finite loss")].rsplit("\n", 1)[-1]
     assert line.rsplit("\r", 1)[-1] == "", repr(terminal[-2000:])

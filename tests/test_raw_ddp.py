@@ -1,4 +1,5 @@
 """raw_ddp.py as users run it: real processes, gloo on CPU, tiny models, hard timeouts."""
+
 import json
 import re
 import socket
@@ -6,16 +7,33 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    REPO,
+    TINY,
+    TRAIN_IMAGES,
+    VAL_IMAGES,
+    check_slow_bf16_warning,
+    cpu_env,
+    finish,
+    free_port,
+    run,
+    start,
+)
+from conftest import (
+    raw_ddp as run_raw,
+)
 
 import raw_ddp
 from cifar_wrn.data import CIFAR10, evaluate, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, check_slow_bf16_warning, cpu_env, finish, free_port, raw_ddp as run_raw, run, start
 
-EPOCH_LINE = re.compile(r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-                        r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$", re.M)
+EPOCH_LINE = re.compile(
+    r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
+    re.M,
+)
 
 
 def data_flags(cifar_dir):
@@ -23,6 +41,7 @@ def data_flags(cifar_dir):
 
 
 # ----------------------------------------------------------------------------- pure pieces
+
 
 def test_all_required_steps_are_tagged():
     source = (REPO / "raw_ddp.py").read_text()
@@ -32,16 +51,34 @@ def test_all_required_steps_are_tagged():
 
 # The functions of raw_ddp.py that may talk to other processes, in reading order: a collective anywhere
 # else (or in cifar_wrn/, which knows nothing about processes) would drift out of the reader's view.
-COLLECTIVE_FUNCTIONS = ["join_process_group", "build_data", "build_model", "train_process", "validate", "resume",
-                        "save_checkpoint"]
+COLLECTIVE_FUNCTIONS = [
+    "join_process_group",
+    "build_data",
+    "build_model",
+    "train_process",
+    "validate",
+    "resume",
+    "save_checkpoint",
+]
 NOT_COLLECTIVES = ("DistError", "DistBackendError", "DistNetworkError", "ReduceOp", "get_backend")  # names, queries
 # In the order a process meets them (the AVG all-reduce of the metrics is in validate(), which the loop calls).
-REQUIRED_CALLS = ['f"cuda:{local_rank}"', "init_process_group(", "dist.barrier(", "DistributedSampler(", "DDP(",
-                  "set_epoch(", "dist.reduce(", "validate(", "destroy_process_group(", "mp.spawn("]
+REQUIRED_CALLS = [
+    'f"cuda:{local_rank}"',
+    "init_process_group(",
+    "dist.barrier(",
+    "DistributedSampler(",
+    "DDP(",
+    "set_epoch(",
+    "dist.reduce(",
+    "validate(",
+    "destroy_process_group(",
+    "mp.spawn(",
+]
 
 
 def test_every_collective_is_in_a_named_function_and_the_steps_read_in_order():
     import ast
+
     source = (REPO / "raw_ddp.py").read_text()
     tree = ast.parse(source)
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
@@ -50,18 +87,23 @@ def test_every_collective_is_in_a_named_function_and_the_steps_read_in_order():
         for node in ast.walk(function):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dist":
                 where.setdefault(node.attr, set()).add(function.name)
-    outside = {call: names - set(COLLECTIVE_FUNCTIONS) for call, names in where.items()
-               if names - set(COLLECTIVE_FUNCTIONS) and call not in NOT_COLLECTIVES}
+    outside = {
+        call: names - set(COLLECTIVE_FUNCTIONS)
+        for call, names in where.items()
+        if names - set(COLLECTIVE_FUNCTIONS) and call not in NOT_COLLECTIVES
+    }
     assert outside == {}, f"dist. calls outside the named functions: {outside}"
     assert [f.name for f in functions if f.name in COLLECTIVE_FUNCTIONS] == COLLECTIVE_FUNCTIONS  # reading order
     positions = [source.index(call) for call in REQUIRED_CALLS]
     assert positions == sorted(positions), "the required calls no longer read in run order"
     assert "dist.all_reduce(totals, op=dist.ReduceOp.AVG)" in "\n".join(
-        ast.get_source_segment(source, f) for f in functions if f.name == "validate")
+        ast.get_source_segment(source, f) for f in functions if f.name == "validate"
+    )
     for package_file in (REPO / "cifar_wrn").glob("*.py"):  # the shared package talks to no process
-        assert not re.search(r"\bdist\.\w+\(|init_process_group\(|all_reduce\(|barrier\(|DistributedDataParallel\(",
-                             package_file.read_text()), \
-            package_file.name
+        assert not re.search(
+            r"\bdist\.\w+\(|init_process_group\(|all_reduce\(|barrier\(|DistributedDataParallel\(",
+            package_file.read_text(),
+        ), package_file.name
 
 
 @pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 2), (2, 1), (2, 4), (3, 2)])
@@ -79,21 +121,24 @@ def resolve(*flags, cuda=0, monkeypatch=None):
     return raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags]))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-nodes", 2, "--node-id", 2, "--master-port", 29999], r"--node-id must be in \[0, 1\]"),
-    (["--node-id", -1], r"--node-id must be in \[0, 0\]"),
-    (["--num-gpus", 0], "--num-gpus must be >= 1"),
-    (["--device", "cuda"], "CUDA is not available"),
-    (["--batch-size", 0], "batch_size must be >= 1"),
-    (["--epochs", 0], "epochs must be >= 1"),
-    (["--master-port", 70000], "--master-port must be in 1-65535"),
-    (["--master-port", 0], "--master-port must be in 1-65535"),
-    (["--num-nodes", 2], "--master-addr .* is required with more than one node"),
-    (["--num-nodes", 2, "--master-addr", "node0"], "--master-port .* is required with more than one node"),
-    (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
-    (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
-    (["--recipe", "nonesuch"], "recipe 'nonesuch' not found"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-nodes", 2, "--node-id", 2, "--master-port", 29999], r"--node-id must be in \[0, 1\]"),
+        (["--node-id", -1], r"--node-id must be in \[0, 0\]"),
+        (["--num-gpus", 0], "--num-gpus must be >= 1"),
+        (["--device", "cuda"], "CUDA is not available"),
+        (["--batch-size", 0], "batch_size must be >= 1"),
+        (["--epochs", 0], "epochs must be >= 1"),
+        (["--master-port", 70000], "--master-port must be in 1-65535"),
+        (["--master-port", 0], "--master-port must be in 1-65535"),
+        (["--num-nodes", 2], "--master-addr .* is required with more than one node"),
+        (["--num-nodes", 2, "--master-addr", "node0"], "--master-port .* is required with more than one node"),
+        (["--save", "/no/such/dir/w.pt"], "the folder does not exist"),
+        (["--set", "learning_rate=1"], "unknown recipe key 'learning_rate'"),
+        (["--recipe", "nonesuch"], "recipe 'nonesuch' not found"),
+    ],
+)
 def test_bad_launches_are_refused(flags, message, monkeypatch):
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -117,6 +162,7 @@ def test_port_in_use_is_refused():
 
 # ----------------------------------------------------------------------------- DDP semantics
 
+
 def test_destroy_process_group_ends_the_groups_threads():
     """After destroy_process_group no gloo thread is left: a group that outlived it was torn down at exit, which
     now and then aborted a rank (SIGABRT) after its last line. torch._dynamo, first imported after the group
@@ -139,8 +185,11 @@ def test_destroy_process_group_ends_the_groups_threads():
 @pytest.mark.core
 def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
     out = tmp_path / "result.json"
-    result = run([sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port()], timeout=120,
-                 env=cpu_env(PYTHONPATH=REPO))
+    result = run(
+        [sys.executable, REPO / "tests" / "ddp_equivalence.py", out, free_port()],
+        timeout=120,
+        env=cpu_env(PYTHONPATH=REPO),
+    )
     assert result.returncode == 0, result.stderr
     checks = json.loads(out.read_text())
     assert checks["identical"], "parameters differ between ranks"
@@ -149,6 +198,7 @@ def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
+
 
 @pytest.mark.core
 def test_end_to_end_two_processes(two_process_run):
@@ -203,8 +253,20 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch(two_process_run):
 
 def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
     port = free_port()
-    common = ["--num-nodes", 2, "--num-gpus", 1, "--master-addr", "127.0.0.1", "--master-port", port, *TINY,
-              *data_flags(cifar_dir), "--epochs", 1]
+    common = [
+        "--num-nodes",
+        2,
+        "--num-gpus",
+        1,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        *TINY,
+        *data_flags(cifar_dir),
+        "--epochs",
+        1,
+    ]
     node0 = start([sys.executable, "raw_ddp.py", "--node-id", 0, *common, "--log-json", tmp_path / "log.jsonl"])
     node1 = start([sys.executable, "raw_ddp.py", "--node-id", 1, *common])
     r0, r1 = finish(node0, 180), finish(node1, 60)
@@ -226,6 +288,7 @@ def test_torchrun_launch(torchrun_profile_run):
 
 # ----------------------------------------------------------------------------- failures: clear, prompt, no hang
 
+
 def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
     result = run_raw("--num-nodes", 1, "--node-id", 3, "--device", "cpu")
     assert result.returncode == 2
@@ -234,9 +297,23 @@ def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
 
 def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     port = free_port()
-    result = run_raw("--num-nodes", 2, "--node-id", 0, "--num-gpus", 1, "--master-addr", "127.0.0.1",
-                     "--master-port", port, "--dist-timeout", 5,
-                     *TINY, *data_flags(cifar_dir), timeout=90)
+    result = run_raw(
+        "--num-nodes",
+        2,
+        "--node-id",
+        0,
+        "--num-gpus",
+        1,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--dist-timeout",
+        5,
+        *TINY,
+        *data_flags(cifar_dir),
+        timeout=90,
+    )
     assert result.returncode == 2
     assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr
     assert "Traceback" not in result.stderr
@@ -261,8 +338,9 @@ def test_first_run_without_data_reads_cleanly(tmp_path):
     official archive, CIFAR10_URL for a mirror); exit status 2."""
     env = cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
     del env["PYTHONWARNINGS"]
-    result = run_raw("--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--data-dir", tmp_path / "data", env=env,
-                     timeout=90)
+    result = run_raw(
+        "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--data-dir", tmp_path / "data", env=env, timeout=90
+    )
     assert result.returncode == 2 and result.stdout == "", result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 2, result.stderr
@@ -275,6 +353,7 @@ def test_first_run_without_data_reads_cleanly(tmp_path):
 
 def test_corrupt_file_is_named(tmp_path, cifar_dir):
     import shutil
+
     shutil.copytree(cifar_dir, tmp_path / "d")
     batch = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_2"
     batch.write_bytes(batch.read_bytes()[:500])

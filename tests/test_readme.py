@@ -1,20 +1,32 @@
 """The README's commands as a student types them: the main job, the 1-GPU run, the challenge recipe and the
 report, each run literally from the README's bash blocks in a fresh folder (only tiny-data flags appended),
 and the report reading the logs those runs left."""
+
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
-
-from cifar_wrn.runlog import run_log_path
 from conftest import REPO, cpu_env, finish, start, write_cifar
 
+from cifar_wrn.runlog import run_log_path
+
 # Appended to the README's training commands: a small subset, one epoch, the tests' tiny model.
-TINY_RUN = ["--train-subset", "64", "--val-subset", "32", "--epochs", "1", "--batch-size", "8", "--model-width", "4",
-            "--set", "eval_batch_size=64"]
+TINY_RUN = [
+    "--train-subset",
+    "64",
+    "--val-subset",
+    "32",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "8",
+    "--model-width",
+    "4",
+    "--set",
+    "eval_batch_size=64",
+]
 
 
 def readme_commands() -> list[str]:
@@ -70,9 +82,11 @@ def shell(command: str, folder, env, timeout=240):
 def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folder):
     folder, env = student_folder
     logs = {}
-    for name, command in [("2 GPUs", the_command(r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe")),
-                          ("1 GPU", the_command(r"^python raw_ddp\.py .*--num-gpus 1\b", r"--recipe")),
-                          ("fast", the_command(r"^python raw_ddp\.py .*--recipe fast\b"))]:
+    for name, command in [
+        ("2 GPUs", the_command(r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe")),
+        ("1 GPU", the_command(r"^python raw_ddp\.py .*--num-gpus 1\b", r"--recipe")),
+        ("fast", the_command(r"^python raw_ddp\.py .*--recipe fast\b")),
+    ]:
         result = shell(f"{command} {shlex.join(TINY_RUN)}", folder, env)
         assert result.returncode == 0, f"{name}: {command}\n{result.stdout}\n{result.stderr}"
         first = result.stdout.splitlines()[0]

@@ -1,4 +1,5 @@
 """Checkpoint and resume, preemption, crashed ranks, non-finite loss: nothing lost, nothing hangs."""
+
 import io
 import os
 import re
@@ -10,23 +11,42 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, finish, resume_flags, start, wait_for_epoch
+from conftest import raw_ddp as run_raw
 
-from cifar_wrn.checkpoint import (CheckpointError, check_writable, load_checkpoint, read_training_state, resume_problem,
-                                  save_atomic)
+from cifar_wrn.checkpoint import (
+    CheckpointError,
+    check_writable,
+    load_checkpoint,
+    read_training_state,
+    resume_problem,
+    save_atomic,
+)
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from conftest import (wait_for_epoch, TINY, TRAIN_IMAGES, VAL_IMAGES, finish, raw_ddp as run_raw, resume_flags,
-                      start)
 
 PREEMPTED_EXIT = 75
 
 
 def flags(cifar_dir, *extra):
-    return ["--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset",
-            VAL_IMAGES, "--dist-timeout", 60, *extra]
+    return [
+        "--num-gpus",
+        2,
+        *TINY,
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--dist-timeout",
+        60,
+        *extra,
+    ]
 
 
 # ----------------------------------------------------------------------------- pure pieces
+
 
 @pytest.fixture
 def small_disk(tmp_path):
@@ -38,12 +58,14 @@ def small_disk(tmp_path):
 
     def mount(size: int):
         options = f"{'remount,' if mounted else ''}size={size}"
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True
+        )
         if result.returncode:
             pytest.skip(f"a real full disk needs a small tmpfs, and mount was refused here: {result.stderr.strip()}")
         mounted.append(size)
         return folder
+
     yield mount
     if mounted:
         subprocess.run(["umount", "-l", str(folder)], check=False)
@@ -90,7 +112,9 @@ def agreement_steps(seconds_per_step: list[float], steps: int, steps_per_epoch: 
     """The steps (1-based) at which two ranks' StepGuards agree, rank r's steps taking seconds_per_step[r]
     on its own clock: each guard in its own thread, the agreement a MAX over both (as dist.all_reduce)."""
     import threading
+
     from cifar_wrn.resilience import StepGuard
+
     clocks, slots, checked = [0.0, 0.0], [None, None], [[], []]
     meet = threading.Barrier(2)
 
@@ -103,9 +127,11 @@ def agreement_steps(seconds_per_step: list[float], steps: int, steps_per_epoch: 
             flags.copy_(torch.maximum(*slots))
             meet.wait()
             checked[r].append(step + 1)
+
         for step in range(steps):
             clocks[r] += seconds_per_step[r]
             guard.check(torch.tensor(1.0), 0, step, steps_per_epoch, agree)
+
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -130,9 +156,11 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
     loop, by cifar_wrn/faults.py; a real run gets the loss function itself. No test variable is read, and no
     hook called, in the entry points (the non-finite loss and the stop at a given step are now real faults)."""
     import inspect
+
     import accel_train
     import raw_ddp
     from cifar_wrn.faults import with_test_faults
+
     monkeypatch.delenv("CIFAR_WRN_TEST_RAISE_IN_RANK", raising=False)
     criterion = torch.nn.CrossEntropyLoss()
     assert with_test_faults(criterion, 0) is criterion
@@ -142,7 +170,7 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
         with_test_faults(criterion, 1)(torch.zeros(1, 10), torch.zeros(1, dtype=torch.long))
     for entry in (raw_ddp, accel_train):
         loop = inspect.getsource(entry.train_process)
-        steps = loop[loop.index("for step, (images, labels) in"):]
+        steps = loop[loop.index("for step, (images, labels) in") :]
         assert "loss = criterion(model(images), labels)" in steps and "fault" not in steps
         assert "CIFAR_WRN_TEST" not in inspect.getsource(entry)
 
@@ -151,21 +179,37 @@ def test_the_training_loops_call_no_test_hook(monkeypatch):
 # conftest's resume_runs: raw_ddp.py's checkpoint after epoch 1 (--auto-resume into an empty folder) and the
 # same run over 2 epochs never stopped. Copied before a resume (or a refused one) could write into them.
 
+
 @pytest.mark.core
 def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
     """Stopped at the end of epoch 1, resumed for epoch 2: the weights and every epoch's metrics of the run
     never stopped (resume_runs.straight: the same flags, no checkpoint)."""
     run = resume_runs.copy("raw", tmp_path)  # its ck/ and l.jsonl
-    second = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", run / "ck",
-                                                    "--resume", "--save", run / "w.pt", "--log-json", run / "l.jsonl"))
+    second = run_raw(
+        "--num-gpus",
+        2,
+        *resume_flags(
+            cifar_dir,
+            "--epochs",
+            2,
+            "--checkpoint-dir",
+            run / "ck",
+            "--resume",
+            "--save",
+            run / "w.pt",
+            "--log-json",
+            run / "l.jsonl",
+        ),
+    )
     assert second.returncode == 0, second.stderr
     assert "Resuming from" in second.stdout and second.stdout.count("Epoch = ") == 1
     straight = resume_runs.folder / "straight"
     a, b = torch.load(straight / "w.pt"), torch.load(run / "w.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)  # identical weights
     (_, ea), (_, eb) = read_log(straight / "l.jsonl"), read_log(run / "l.jsonl")
-    assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == \
-           [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb]  # identical per-epoch metrics
+    assert [(e["epoch"], e["val_loss"], e["val_accuracy"]) for e in ea] == [
+        (e["epoch"], e["val_loss"], e["val_accuracy"]) for e in eb
+    ]  # identical per-epoch metrics
     assert eb[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in eb))
 
 
@@ -176,11 +220,13 @@ def test_resume_refusals(cifar_dir, tmp_path, resume_runs):
     assert fresh.returncode == 0 and "Resuming" not in fresh.stdout
     ck = resume_runs.copy("raw/ck", tmp_path)
     assert load_checkpoint(ck)["epoch"] == 1
-    other = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume",
-                                                   "--set", "momentum=0.5"))
+    other = run_raw(
+        "--num-gpus",
+        2,
+        *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume", "--set", "momentum=0.5"),
+    )
     assert other.returncode == 2 and "momentum (0.0 -> 0.5)" in other.stderr
-    one_process = run_raw(*resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
-                          "--num-gpus", 1)
+    one_process = run_raw(*resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"), "--num-gpus", 1)
     assert one_process.returncode == 2 and "written by 2 processes, this run has 1" in one_process.stderr
 
 
@@ -191,15 +237,27 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
     or RuntimeError); every rank stops at once with one error line naming the folder; once there is room
     the first checkpoint resumes."""
     from test_accel import CONFIGS, accelerate_launch
+
     disk = small_disk(checkpoint_bytes(32) * 3 // 2)
     # --dist-timeout 300: a rank left waiting for the one that failed would outlast the test's timeout
-    small = ["--model-width", 32, "--train-subset", 64, "--val-subset", 32, "--checkpoint-dir", disk,
-             "--dist-timeout", 300]
+    small = [
+        "--model-width",
+        32,
+        "--train-subset",
+        64,
+        "--val-subset",
+        32,
+        "--checkpoint-dir",
+        disk,
+        "--dist-timeout",
+        300,
+    ]
     if trainer == "raw":
         launch = lambda *extra: run_raw(*flags(cifar_dir, *small, *extra), timeout=240)
     else:
-        launch = lambda *extra: accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir,
-                                                  "--set", "eval_batch_size=64", *small, *extra)
+        launch = lambda *extra: accelerate_launch(
+            CONFIGS / "two_cpus.yaml", "--cpu", "--data-dir", cifar_dir, "--set", "eval_batch_size=64", *small, *extra
+        )
     result = launch("--epochs", 3)
     assert result.returncode != 0 and result.seconds < 180, result.stderr[-3000:]  # start-up (slow under 4 loaded
     # workers) and 2 epochs; a rank left waiting would take --dist-timeout (300 s) more
@@ -225,6 +283,7 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
 
 # ----------------------------------------------------------------------------- preemption and faults
 
+
 def test_sigusr1_to_the_launcher_checkpoints_and_requeues(cifar_dir, tmp_path):
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
     proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")])
@@ -245,8 +304,7 @@ def test_sigusr1_to_the_launcher_checkpoints_and_requeues(cifar_dir, tmp_path):
 def rank_processes(launcher_pid, count=2, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = [p for p in psutil.Process(launcher_pid).children()
-                    if "spawn_main" in " ".join(p.cmdline())]
+        children = [p for p in psutil.Process(launcher_pid).children() if "spawn_main" in " ".join(p.cmdline())]
         if len(children) == count:
             return sorted(children, key=lambda p: p.create_time())
         time.sleep(0.1)
@@ -259,8 +317,13 @@ def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     store's port and both ranks are its clients; rank 0 serves nothing. (Before, the launcher picked a free port
     and rank 0 bound it seconds later, after importing torch: another program could take it meanwhile, and
     once in a parallel test run did: EADDRINUSE.)"""
-    proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, "--batch-size", 4, "--epochs", 50,
-                                                       "--log-json", tmp_path / "l.jsonl")])
+    proc = start(
+        [
+            sys.executable,
+            "raw_ddp.py",
+            *flags(cifar_dir, "--batch-size", 4, "--epochs", 50, "--log-json", tmp_path / "l.jsonl"),
+        ]
+    )
     wait_for_epoch(tmp_path / "l.jsonl")
     ranks = rank_processes(proc.pid)
     launcher_sockets = psutil.Process(proc.pid).net_connections("tcp")
@@ -268,8 +331,9 @@ def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     assert len(listening) == 1, launcher_sockets
     for rank in ranks:
         sockets = rank.net_connections("tcp")
-        assert any(c.raddr and c.raddr.port == listening[0] and c.status == psutil.CONN_ESTABLISHED
-                   for c in sockets), sockets
+        assert any(c.raddr and c.raddr.port == listening[0] and c.status == psutil.CONN_ESTABLISHED for c in sockets), (
+            sockets
+        )
         assert not any(c.laddr.port == listening[0] and c.status == psutil.CONN_LISTEN for c in sockets), sockets
     ranks[1].kill()  # SIGKILL, as the OOM killer would
     t0 = time.monotonic()
@@ -294,8 +358,11 @@ def check_diverged(stderr: str, traceback: str = "Traceback") -> None:
     """Both ranks named with the step they first saw it, one report (rank 0's), every rank stopped at one step;
     `traceback`: what a traceback through the trainer looks like (accelerate launch prints its own)."""
     assert stderr.count("error: non-finite loss in epoch 1 on rank(s) ") == 1, stderr[-3000:]
-    found = re.search(r"rank\(s\) 0 \(first at step (\d+)\), 1 \(first at step (\d+)\): .*every rank stopped at "
-                      r"step (\d+)", stderr)
+    found = re.search(
+        r"rank\(s\) 0 \(first at step (\d+)\), 1 \(first at step (\d+)\): .*every rank stopped at "
+        r"step (\d+)",
+        stderr,
+    )
     assert found and int(found[1]) == int(found[2]) <= int(found[3]) < 5, stderr[-3000:]  # mid-epoch: 5 steps
     # had the ranks stopped at different steps, one would be left in a collective and report lost contact
     assert "lost contact" not in stderr and traceback not in stderr
@@ -311,9 +378,21 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
     """torchrun's agent passes SIGTERM on to its workers; the ranks agree, checkpoint and stop."""
     from conftest import free_port
+
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]
-    proc = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-                  "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")[2:]])
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            2,
+            "--master_port",
+            free_port(),
+            "raw_ddp.py",
+            *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")[2:],
+        ]
+    )
     wait_for_epoch(tmp_path / "l.jsonl")
     os.kill(proc.pid, signal.SIGTERM)
     result = finish(proc, 90)

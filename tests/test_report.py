@@ -1,28 +1,47 @@
 """cifar_wrn/report.py: the scaling arithmetic against hand-computed values, report.md, figures, and the
 report without matplotlib; bad input files end in one clear line and exit status 2."""
+
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+from conftest import REPO, TINY, raw_ddp
 
 from cifar_wrn import report
-from conftest import REPO, TINY, raw_ddp
 
 EXACT = 1e-9
 
 
 def write_log(path, nodes, gpus, epochs, target=0.85, patience=2, **header):
     """A log as the trainers write it. epochs: (epoch_time, images_per_sec, val_accuracy[, profile])."""
-    records = [{"kind": "header", "world_size": nodes * gpus, "num_nodes": nodes, "num_gpus": gpus,
-                "backend": "nccl", "device": "cuda", "git_commit": "abc1234", "train_images": 50000,
-                "recipe": {"target_accuracy": target, "patience": patience, "batch_size": 32}, **header}]
+    records = [
+        {
+            "kind": "header",
+            "world_size": nodes * gpus,
+            "num_nodes": nodes,
+            "num_gpus": gpus,
+            "backend": "nccl",
+            "device": "cuda",
+            "git_commit": "abc1234",
+            "train_images": 50000,
+            "recipe": {"target_accuracy": target, "patience": patience, "batch_size": 32},
+            **header,
+        }
+    ]
     cumulative = 0.0
     for i, (epoch_time, ips, accuracy, *profile) in enumerate(epochs, 1):
         cumulative += epoch_time
-        record = {"kind": "epoch", "epoch": i, "cumulative_time": cumulative, "epoch_time": epoch_time,
-                  "images_per_sec": ips, "val_loss": 2.0 - accuracy, "val_accuracy": accuracy}
+        record = {
+            "kind": "epoch",
+            "epoch": i,
+            "cumulative_time": cumulative,
+            "epoch_time": epoch_time,
+            "images_per_sec": ips,
+            "val_loss": 2.0 - accuracy,
+            "val_accuracy": accuracy,
+        }
         if profile:
             record["profile"] = profile[0]
         records.append(record)
@@ -42,9 +61,11 @@ FOUR = [(40.0, 1500.0, 0.70), (40.0, 1700.0, 0.80), (40.0, 1600.0, 0.84)]
 
 @pytest.fixture
 def logs(tmp_path):
-    return {"one": write_log(tmp_path / "one.jsonl", 1, 1, ONE),
-            "two": write_log(tmp_path / "two.jsonl", 1, 2, TWO),
-            "four": write_log(tmp_path / "four.jsonl", 2, 2, FOUR)}
+    return {
+        "one": write_log(tmp_path / "one.jsonl", 1, 1, ONE),
+        "two": write_log(tmp_path / "two.jsonl", 1, 2, TWO),
+        "four": write_log(tmp_path / "four.jsonl", 2, 2, FOUR),
+    }
 
 
 def rows_by_p(runs):
@@ -54,6 +75,7 @@ def rows_by_p(runs):
 
 
 # ----------------------------------------------------------------------------- the arithmetic
+
 
 def test_formulas_against_hand_computed_values():
     # S = 300 / 240 = 1.25 on p = 2: E = 0.625, e = (1/1.25 - 1/2) / (1 - 1/2) = (0.8 - 0.5) / 0.5 = 0.6
@@ -116,8 +138,10 @@ def test_scaling_falls_back_to_throughput_when_a_run_misses_the_target(logs, tmp
     assert "Speedup basis: mean Images/sec" in text and "not reached" in text
     assert "| speedup (images/sec) |" in text
     scaling_rows = [line for line in text.splitlines() if line.startswith("| four |")]
-    assert scaling_rows and "| 4 | 2 x 2 | not reached | 1600.0 | 0.8400 | one | 3.200 | 0.800 | 0.0833 |" \
-        in scaling_rows[0]
+    assert (
+        scaling_rows
+        and "| 4 | 2 x 2 | not reached | 1600.0 | 0.8400 | one | 3.200 | 0.800 | 0.0833 |" in scaling_rows[0]
+    )
 
 
 def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
@@ -127,14 +151,21 @@ def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
     text = path.read_text()
     assert figures == [] and skipped
     assert "Speedup basis: Cumulative Time to target" in text and "| speedup (time to target) |" in text
-    assert "| two | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | one | 1.250 | 0.625 | 0.6000 | 1.250 | 1.429 | 1.538 |" \
-        in text
+    assert (
+        "| two | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | one | 1.250 | 0.625 | 0.6000 | 1.250 | 1.429 | 1.538 |" in text
+    )
     assert "| one | 1 | 1 x 1 | 300.000 | 500.0 | 0.9000 | one | 1.000 | 1.000 | – |" in text
     # each run's epoch log, with the stopping epoch marked, and the header facts
     assert "| 4 | 240.000 | 60.000 | 950.0 | 1.1200 | 0.8800 | 2/2, stop |" in text
     assert "| 3 | 300.000 | 100.000 | 490.0 | 1.1300 | 0.8700 | 2/2, stop |" in text
-    for fact in ("| world size (processes) | 2 |", "| nodes | 1 |", "| GPUs per node | 2 |", "| backend | nccl |",
-                 "| device | cuda |", "| commit | abc1234 |"):
+    for fact in (
+        "| world size (processes) | 2 |",
+        "| nodes | 1 |",
+        "| GPUs per node | 2 |",
+        "| backend | nccl |",
+        "| device | cuda |",
+        "| commit | abc1234 |",
+    ):
         assert fact in text
     assert "node 0: [cuda:0 local_rank 0 = rank 0] [cuda:1 local_rank 1 = rank 1]" in text
     assert "ring: 0 -> 1 -> 0" in text
@@ -142,8 +173,10 @@ def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
 
 def test_topology_text_ranks_and_ring():
     text = report.topology_text(2, 4, "nccl", "cuda")
-    assert "node 1: [cuda:0 local_rank 0 = rank 4] [cuda:1 local_rank 1 = rank 5] [cuda:2 local_rank 2 = rank 6] " \
-           "[cuda:3 local_rank 3 = rank 7]" in text
+    assert (
+        "node 1: [cuda:0 local_rank 0 = rank 4] [cuda:1 local_rank 1 = rank 5] [cuda:2 local_rank 2 = rank 6] "
+        "[cuda:3 local_rank 3 = rank 7]" in text
+    )
     assert "ring: 0 -> 1 -> 2 -> 3 => 4 -> 5 -> 6 -> 7 => 0" in text  # => crosses between nodes
     assert "world size 8" in text
     assert "no all-reduce" in report.topology_text(1, 1, "gloo", "cpu")
@@ -165,22 +198,40 @@ def test_runs_that_differ_are_not_compared_and_say_why(logs, tmp_path):
     assert sc.basis is None and "speedup" not in rows[2] and "karp_flatt" not in rows[2]
     path, _, _ = report.write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
-    assert "**`other` is not compared with a 1-process run**: against `one` it differs in recipe (target_accuracy)" \
-           ", so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in text
+    assert (
+        "**`other` is not compared with a 1-process run**: against `one` it differs in recipe (target_accuracy)"
+        ", so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in text
+    )
     assert "Karp-Flatt e |" not in text
 
 
 def test_the_gpu_and_cpu_logs_of_this_project_get_no_speedup(tmp_path):
     """h200-fast (1 H200 GPU, an older fast.yaml) and fast8 (2 CPU processes): no pair, and the report says why."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl",
-                             "--out", out, "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cifar_wrn.report",
+            RUNS / "h200-fast.jsonl",
+            RUNS / "fast8.jsonl",
+            "--out",
+            out,
+            "--no-figures",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = (out / "report.md").read_text()
     scaling = text.split("## Scaling")[1].split("## Demonstrate 1")[0]
     assert "| fast8 | 2 | 1 x 2 | 7560.028 | 26.4 | 0.8656 |" in scaling and "speedup" not in scaling.split("\n\n")[1]
-    assert "differs in recipe (base_lr, batch_size, bn_lr_scale, bn_recalibration, label_smoothing); device (cuda vs " \
-           "cpu), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in scaling
+    assert (
+        "differs in recipe (base_lr, batch_size, bn_lr_scale, bn_recalibration, label_smoothing); device (cuda vs "
+        "cpu), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in scaling
+    )
     assert "Karp-Flatt e" not in text and "Amdahl S(" not in text
 
 
@@ -205,9 +256,15 @@ def test_a_comparable_pair_among_others_is_compared_and_a_slowdown_is_flagged(lo
 
 
 def test_profile_table(tmp_path):
-    prof = [(10.0, 100.0, 0.5, {"data": 1.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0,
-                                "note": "text is ignored"}),
-            (10.0, 100.0, 0.6, {"data": 3.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0})]
+    prof = [
+        (
+            10.0,
+            100.0,
+            0.5,
+            {"data": 1.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0, "note": "text is ignored"},
+        ),
+        (10.0, 100.0, 0.6, {"data": 3.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0}),
+    ]
     run = report.read_run(write_log(tmp_path / "p.jsonl", 1, 1, prof))
     assert report.profile_parts(run.epochs) == {"data": 2.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0}
     path, _, _ = report.write_report([run], tmp_path / "out", figures=False)
@@ -221,15 +278,28 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_figures_are_written(logs, tmp_path):
     pytest.importorskip("matplotlib")  # the `plot` extra; CI installs it with the test extra
-    prof = [(10.0, 100.0, 0.5, {"data": 1.0, "forward": 3.0, "backward": 5.0}),
-            (10.0, 100.0, 0.6, {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 0.5})]
+    prof = [
+        (10.0, 100.0, 0.5, {"data": 1.0, "forward": 3.0, "backward": 5.0}),
+        (10.0, 100.0, 0.6, {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 0.5}),
+    ]
     profiled = write_log(tmp_path / "prof.jsonl", 1, 1, prof)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", logs["one"], logs["two"], logs["four"],
-                             profiled, "--out", out], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "cifar_wrn.report", logs["one"], logs["two"], logs["four"], profiled, "--out", out],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
-    names = {"accuracy_vs_time.png", "images_per_sec.png", "profile.png", "topology_1x1_nccl_cuda.png",
-             "topology_1x2_nccl_cuda.png", "topology_2x2_nccl_cuda.png"}
+    names = {
+        "accuracy_vs_time.png",
+        "images_per_sec.png",
+        "profile.png",
+        "topology_1x1_nccl_cuda.png",
+        "topology_1x2_nccl_cuda.png",
+        "topology_2x2_nccl_cuda.png",
+    }
     assert {p.name for p in out.glob("*.png")} == names
     for name in names:
         data = (out / name).read_bytes()
@@ -244,8 +314,10 @@ def test_figures_are_written(logs, tmp_path):
 def test_report_without_matplotlib(logs, tmp_path):
     """matplotlib made unimportable (None in sys.modules): the tables are still written, with a note."""
     out = tmp_path / "out"
-    code = ("import sys; sys.modules['matplotlib'] = None; from cifar_wrn.report import main; "
-            f"sys.exit(main([{str(logs['one'])!r}, {str(logs['two'])!r}, '--out', {str(out)!r}]))")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from cifar_wrn.report import main; "
+        f"sys.exit(main([{str(logs['one'])!r}, {str(logs['two'])!r}, '--out', {str(out)!r}]))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "figures skipped: matplotlib is missing" in result.stdout
@@ -267,9 +339,17 @@ def test_report_without_matplotlib_in_process(logs, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def bad_inputs(tmp_path):
-    good_header = {"kind": "header", "world_size": 1, "num_nodes": 1, "num_gpus": 1, "backend": "gloo",
-                   "device": "cpu", "recipe": {"target_accuracy": 0.85, "patience": 2}}
+    good_header = {
+        "kind": "header",
+        "world_size": 1,
+        "num_nodes": 1,
+        "num_gpus": 1,
+        "backend": "gloo",
+        "device": "cpu",
+        "recipe": {"target_accuracy": 0.85, "patience": 2},
+    }
     files = {
         "missing": (tmp_path / "nope.jsonl", "no such file"),
         "folder": (tmp_path, "a folder without log.jsonl: give a run log or a run folder that holds one"),
@@ -290,9 +370,21 @@ def bad_inputs(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2, 3]\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "badheader.jsonl").write_text(json.dumps({k: v for k, v in good_header.items() if k != "backend"}))
-    (tmp_path / "badepoch.jsonl").write_text(json.dumps(good_header) + "\n" + json.dumps(
-        {"kind": "epoch", "epoch": 1, "cumulative_time": 1.0, "epoch_time": 1.0, "images_per_sec": 1.0,
-         "val_loss": 1.0}) + "\n")
+    (tmp_path / "badepoch.jsonl").write_text(
+        json.dumps(good_header)
+        + "\n"
+        + json.dumps(
+            {
+                "kind": "epoch",
+                "epoch": 1,
+                "cumulative_time": 1.0,
+                "epoch_time": 1.0,
+                "images_per_sec": 1.0,
+                "val_loss": 1.0,
+            }
+        )
+        + "\n"
+    )
     (tmp_path / "norecipe.jsonl").write_text(json.dumps({k: v for k, v in good_header.items() if k != "recipe"}))
     return files
 
@@ -301,8 +393,13 @@ def test_bad_files_give_one_clear_line_and_exit_2(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     for what, (path, message) in bad_inputs(logs).items():
-        result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"],
-                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 2, (what, result.stderr)
         assert result.stderr.startswith("error: ") and message in result.stderr, (what, result.stderr)
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, what
@@ -312,8 +409,9 @@ def test_bad_files_give_one_clear_line_and_exit_2(tmp_path):
 def test_run_without_epochs_is_reported_not_fatal(logs, tmp_path):
     """A run that crashed before its first epoch still has a header: it is listed, without speedups."""
     empty = write_log(tmp_path / "crashed.jsonl", 1, 2, [])
-    path, _, _ = report.write_report([report.read_run(logs["one"]), report.read_run(empty)], tmp_path / "out",
-                                     figures=False)
+    path, _, _ = report.write_report(
+        [report.read_run(logs["one"]), report.read_run(empty)], tmp_path / "out", figures=False
+    )
     text = path.read_text()
     assert "| crashed | 2 | 1 x 2 | not reached | – | – |" in text
     assert "A run has no epoch records: no speedup columns." in text and "_No epoch records" in text
@@ -328,10 +426,28 @@ def test_read_run_rejects_inconsistent_header(tmp_path):
 
 # ----------------------------------------------------------------------------- a real log
 
+
 def test_report_reads_what_raw_ddp_writes(cifar_dir, tmp_path):
     log = tmp_path / "real.jsonl"
-    result = raw_ddp("--num-gpus", "1", *TINY, "--data-dir", cifar_dir, "--train-subset", 64, "--val-subset", 32,
-                     "--epochs", 2, "--target-accuracy", 0.0, "--patience", 1, "--log-json", log)
+    result = raw_ddp(
+        "--num-gpus",
+        "1",
+        *TINY,
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        64,
+        "--val-subset",
+        32,
+        "--epochs",
+        2,
+        "--target-accuracy",
+        0.0,
+        "--patience",
+        1,
+        "--log-json",
+        log,
+    )
     assert result.returncode == 0, result.stderr
     run = report.read_run(log)
     assert run.world_size == 1 and len(run.epochs) == 1  # target 0 with patience 1: stops after epoch 1
@@ -350,8 +466,11 @@ def resumed_log(path, headers_before: dict, edits: dict | None = None):
     """A 1 x 2 run of ONE's epochs whose log has a header before epoch record i for each i in headers_before
     (i = 0: the start); a resume's header carries resumed_at = headers_before[i], as the trainers write it.
     edits: header entries to change in the header before record i ({i: {key: value}}), to make it another run."""
-    lines = write_log(path, 1, 2, ONE, model_width=160, train_images=50000, val_images=10000,
-                      resumed_at=None).read_text().splitlines()
+    lines = (
+        write_log(path, 1, 2, ONE, model_width=160, train_images=50000, val_images=10000, resumed_at=None)
+        .read_text()
+        .splitlines()
+    )
     header, records = json.loads(lines[0]), lines[1:]
     out = []
     for i, record in enumerate(records + [None]):
@@ -376,8 +495,10 @@ def test_a_run_resumed_twice_is_one_run_with_continuing_cumulative_time(tmp_path
     assert report.time_to_target(run.epochs, run.target, run.patience) == 300.0 and run.notes == []
     out, _, _ = report.write_report([run], tmp_path / "out", figures=False)
     text = out.read_text()
-    assert "| resumed | 2 times: at epoch 2 step 40 (line 3, commit abc1234); at epoch 4 step 0 (line 6, commit " \
-           "abc1234); Cumulative Time continues across the resumes" in text
+    assert (
+        "| resumed | 2 times: at epoch 2 step 40 (line 3, commit abc1234); at epoch 4 step 0 (line 6, commit "
+        "abc1234); Cumulative Time continues across the resumes" in text
+    )
     assert "| 3 | 300.000 | 100.000 | 490.0 | 1.1300 | 0.8700 | 2/2, stop |" in text
     assert "| 4 | 400.000 |" in text
 
@@ -396,19 +517,38 @@ def test_a_resume_from_an_older_checkpoint_replaces_the_epochs_trained_again(tmp
     assert report.time_to_target(run.epochs, run.target, run.patience) is None
 
 
-@pytest.mark.parametrize("what, headers, edits, message", [
-    ("a new run appended", {0: None, 2: None}, None,
-     "line 4: a second header without resumed_at: a new run starts here, not a resume of the run of line 1"),
-    ("other processes", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"world_size": 4, "num_nodes": 2}},
-     "line 4: this header is not a resume of the run of line 1 (the checkpoint was written by 2 processes, "
-     "this run has 4"),
-    ("another recipe", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"recipe_edits": {"batch_size": 64}}},
-     "line 4: this header is not a resume of the run of line 1 (the recipe differs from the checkpoint's in "
-     "batch_size (32 -> 64))"),
-    ("other data", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"train_images": 10240}},
-     "line 4: this header is not a resume of the run of line 1 (the checkpoint's run had train images = 50000, "
-     "this run has 10240"),
-])
+@pytest.mark.parametrize(
+    "what, headers, edits, message",
+    [
+        (
+            "a new run appended",
+            {0: None, 2: None},
+            None,
+            "line 4: a second header without resumed_at: a new run starts here, not a resume of the run of line 1",
+        ),
+        (
+            "other processes",
+            {0: None, 2: {"epoch": 3, "step": 0}},
+            {2: {"world_size": 4, "num_nodes": 2}},
+            "line 4: this header is not a resume of the run of line 1 (the checkpoint was written by 2 processes, "
+            "this run has 4",
+        ),
+        (
+            "another recipe",
+            {0: None, 2: {"epoch": 3, "step": 0}},
+            {2: {"recipe_edits": {"batch_size": 64}}},
+            "line 4: this header is not a resume of the run of line 1 (the recipe differs from the checkpoint's in "
+            "batch_size (32 -> 64))",
+        ),
+        (
+            "other data",
+            {0: None, 2: {"epoch": 3, "step": 0}},
+            {2: {"train_images": 10240}},
+            "line 4: this header is not a resume of the run of line 1 (the checkpoint's run had train images = 50000, "
+            "this run has 10240",
+        ),
+    ],
+)
 def test_two_different_runs_in_one_file_are_refused_naming_the_line(tmp_path, what, headers, edits, message):
     path = resumed_log(tmp_path / "two.jsonl", headers, edits)
     with pytest.raises(report.LogError) as refused:
@@ -418,13 +558,21 @@ def test_two_different_runs_in_one_file_are_refused_naming_the_line(tmp_path, wh
 
 
 def test_two_runs_in_one_file_end_in_one_error_line(tmp_path):
-    path = resumed_log(tmp_path / "two.jsonl", {0: None, 2: {"epoch": 3, "step": 0}},
-                       {2: {"recipe_edits": {"base_lr": 0.1}}})
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    path = resumed_log(
+        tmp_path / "two.jsonl", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"recipe_edits": {"base_lr": 0.1}}}
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert result.stderr == (f"error: {path}, line 4: this header is not a resume of the run of line 1 (the recipe "
-                             f"differs from the checkpoint's in base_lr (0.01 -> 0.1)); one run per file\n")
+    assert result.stderr == (
+        f"error: {path}, line 4: this header is not a resume of the run of line 1 (the recipe "
+        f"differs from the checkpoint's in base_lr (0.01 -> 0.1)); one run per file\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -439,8 +587,11 @@ def test_epochs_going_back_without_a_resume_are_refused(tmp_path):
 def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_header(tmp_path):
     """What the trainers accept as a resume is one run: patience may change (RESUMABLE_CHANGES), and a
     recipe key the first header lacks had its default then (fast6noaug.jsonl: crop_padding, bn_lr_scale)."""
-    path = resumed_log(tmp_path / "r.jsonl", {0: None, 2: {"epoch": 3, "step": 0}},
-                       {2: {"recipe_edits": {"patience": 1, "crop_padding": 4}}})
+    path = resumed_log(
+        tmp_path / "r.jsonl",
+        {0: None, 2: {"epoch": 3, "step": 0}},
+        {2: {"recipe_edits": {"patience": 1, "crop_padding": 4}}},
+    )
     run = report.read_run(path)
     assert run.patience == 1 and len(run.epochs) == 4  # the rule the run ended with
     assert report.time_to_target(run.epochs, run.target, run.patience) == 200.0
@@ -448,9 +599,13 @@ def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_he
 
 def test_the_committed_resumed_logs_are_each_one_run():
     """The project's own proof runs, resumed once or twice on a CPU machine (docs/runs/README.md)."""
-    resumes = {"fast8": ["epoch 3 step 60"], "fast7": ["epoch 4 step 10", "epoch 4 step 180"],
-               "fast6noaug": ["epoch 4 step 30"], "fast4": ["epoch 1 step 97", "epoch 3 step 10"],
-               "fast4b128": ["epoch 1 step 90"]}
+    resumes = {
+        "fast8": ["epoch 3 step 60"],
+        "fast7": ["epoch 4 step 10", "epoch 4 step 180"],
+        "fast6noaug": ["epoch 4 step 30"],
+        "fast4": ["epoch 1 step 97", "epoch 3 step 10"],
+        "fast4b128": ["epoch 1 step 90"],
+    }
     for name, where in resumes.items():
         run = report.read_run(RUNS / f"{name}.jsonl")
         assert [s.where() for s in run.resumes] == where, name
@@ -460,14 +615,21 @@ def test_the_committed_resumed_logs_are_each_one_run():
 
 
 def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path,
-                             "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path, "--no-figures"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "report.md").read_text()
-    for row in ("| 1 | 1844.956 | 1844.956 | 27.1 | 0.8511 | 0.7540 |  |",
-                "| 2 | 3726.691 | 1881.734 | 26.5 | 0.6629 | 0.8231 |  |",
-                "| 3 | 5629.463 | 1902.772 | 26.2 | 0.5846 | 0.8503 | 1/2 |",
-                "| 4 | 7560.028 | 1930.565 | 25.9 | 0.5483 | 0.8656 | 2/2, stop |"):
+    for row in (
+        "| 1 | 1844.956 | 1844.956 | 27.1 | 0.8511 | 0.7540 |  |",
+        "| 2 | 3726.691 | 1881.734 | 26.5 | 0.6629 | 0.8231 |  |",
+        "| 3 | 5629.463 | 1902.772 | 26.2 | 0.5846 | 0.8503 | 1/2 |",
+        "| 4 | 7560.028 | 1930.565 | 25.9 | 0.5483 | 0.8656 | 2/2, stop |",
+    ):
         assert row in text, row
     assert "| fast8 | 2 | 1 x 2 | 7560.028 |" in text  # the scaling table's Cumulative Time to target
     assert "| resumed | once: at epoch 3 step 60 (line 4, started 2026-12-01T06:27:38+0000, commit f01bc54)" in text
@@ -477,21 +639,23 @@ def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_pat
 
 # ----------------------------------------------------------------------------- the course's PDF (R3)
 
+
 def r1_tags(source) -> dict[str, list[int]]:
     """The lines of each `# R1.<n>` step, read here independently of cifar_wrn/report.py: every R1.<n> in
     the comment that starts at a '# R1.' on the line."""
     tags = {}
     for number, line in enumerate(source.read_text().splitlines(), 1):
         if "# R1." in line:
-            for n in re.findall(r"R1\.(\d+)", line[line.index("# R1."):]):
+            for n in re.findall(r"R1\.(\d+)", line[line.index("# R1.") :]):
                 tags.setdefault(f"R1.{n}", []).append(number)
     return tags
 
 
 def test_ddp_steps_are_read_from_the_tags(tmp_path):
     source = tmp_path / "code.py"
-    source.write_text("import x\ndef f():  # R1.1\n    y = 1  # R1.10: one\n    # R1.2, R1.3 and R1.1 here\n"
-                      '    s = "# R1.<n>"\n')
+    source.write_text(
+        'import x\ndef f():  # R1.1\n    y = 1  # R1.10: one\n    # R1.2, R1.3 and R1.1 here\n    s = "# R1.<n>"\n'
+    )
     steps = report.ddp_steps(source)
     assert steps == [("R1.1", [2, 4]), ("R1.2", [4]), ("R1.3", [4]), ("R1.10", [3])]
     assert report.where_text("raw_ddp.py", [2, 4]) == "raw_ddp.py:2,4"
@@ -512,25 +676,44 @@ def pdf_text(path) -> tuple[int, str, int]:
 
 
 def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
-    pytest.importorskip("fpdf")        # the `pdf` extra; CI installs it with the test extra
+    pytest.importorskip("fpdf")  # the `pdf` extra; CI installs it with the test extra
     pytest.importorskip("matplotlib")
     notes = tmp_path / "notes.yaml"
-    notes.write_text("optimisations:\n  bn_recalibration: my own words on recalibration\n"
-                     "steps:\n  R1.7: my pinning words\n")
+    notes.write_text(
+        "optimisations:\n  bn_recalibration: my own words on recalibration\nsteps:\n  R1.7: my pinning words\n"
+    )
     pdf = tmp_path / "report.pdf"
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl",
-                             "--out", tmp_path / "out", "--pdf", pdf, "--notes", notes], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cifar_wrn.report",
+            RUNS / "h200-fast.jsonl",
+            RUNS / "fast8.jsonl",
+            "--out",
+            tmp_path / "out",
+            "--pdf",
+            pdf,
+            "--notes",
+            notes,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     pages, text, images = pdf_text(pdf)
     assert f"wrote {pdf} ({pages} pages)" in result.stdout
     assert pages <= 4 and images >= 2  # the accuracy figure and the topology diagram
     # 2: the epoch log exactly as printed (the trainers' lines), then the Cumulative Time at the criterion
-    printed = ["Epoch =  1: Cumulative Time = 1844.956, Epoch Time = 1844.956, Images/sec = 27.1, Validation Loss = "
-               "0.851, Validation Accuracy = 0.754",
-               "Epoch =  4: Cumulative Time = 7560.028, Epoch Time = 1930.565, Images/sec = 25.9, Validation Loss = "
-               "0.548, Validation Accuracy = 0.866",
-               "Early stopping after epoch 4"]
+    printed = [
+        "Epoch =  1: Cumulative Time = 1844.956, Epoch Time = 1844.956, Images/sec = 27.1, Validation Loss = "
+        "0.851, Validation Accuracy = 0.754",
+        "Epoch =  4: Cumulative Time = 7560.028, Epoch Time = 1930.565, Images/sec = 25.9, Validation Loss = "
+        "0.548, Validation Accuracy = 0.866",
+        "Early stopping after epoch 4",
+    ]
     lines = text.splitlines()
     for line in printed:
         assert line in lines, line
@@ -564,23 +747,29 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
 
 
 def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
-    code = ("import sys; sys.modules['fpdf'] = None; from cifar_wrn.report import main; "
-            f"sys.exit(main([{str(logs['one'])!r}, '--out', {str(tmp_path / 'out')!r}, '--pdf', 'r.pdf']))")
+    code = (
+        "import sys; sys.modules['fpdf'] = None; from cifar_wrn.report import main; "
+        f"sys.exit(main([{str(logs['one'])!r}, '--out', {str(tmp_path / 'out')!r}, '--pdf', 'r.pdf']))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr == ("error: --pdf needs the fpdf2 package, which is not installed: pip install fpdf2, or "
-                             "pip install -e '.[pdf]'\n")
+    assert result.stderr == (
+        "error: --pdf needs the fpdf2 package, which is not installed: pip install fpdf2, or pip install -e '.[pdf]'\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("content, message", [
-    ("bogus:\n  x: y\n", "expected steps: {R1.<n>: why}, explain: {topology, "),
-    ("optimisations:\n  bogus: x\n", "optimisations: 'bogus' is not one of epochs, batch_size, base_lr, "),
-    ("steps:\n  R1.99: x\n", "steps: 'R1.99' is not one of R1.1, R1.2, "),
-    ("explain:\n  topology: ''\n", "explain: topology: expected your text"),
-    ("explain:\n  - a list\n", "explain: expected KEY: TEXT entries"),
-    ("a: [\n", "cannot be read as YAML at line 2 ("),  # PyYAML's own words follow
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("bogus:\n  x: y\n", "expected steps: {R1.<n>: why}, explain: {topology, "),
+        ("optimisations:\n  bogus: x\n", "optimisations: 'bogus' is not one of epochs, batch_size, base_lr, "),
+        ("steps:\n  R1.99: x\n", "steps: 'R1.99' is not one of R1.1, R1.2, "),
+        ("explain:\n  topology: ''\n", "explain: topology: expected your text"),
+        ("explain:\n  - a list\n", "explain: expected KEY: TEXT entries"),
+        ("a: [\n", "cannot be read as YAML at line 2 ("),  # PyYAML's own words follow
+    ],
+)
 def test_bad_notes_are_refused(tmp_path, content, message):
     notes = tmp_path / "notes.yaml"
     notes.write_text(content)
@@ -595,8 +784,13 @@ def test_bad_notes_are_refused(tmp_path, content, message):
 def test_bad_notes_are_refused_before_any_output(tmp_path):
     notes = tmp_path / "notes.yaml"
     notes.write_text("bogus:\n  why: x\n")
-    result = subprocess.run([sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path / "out",
-                             "--notes", notes], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path / "out", "--notes", notes],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: expected steps:")
     assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
 
@@ -605,10 +799,16 @@ def test_notes_fill_the_slots_they_name_and_leave_the_others_marked(logs, tmp_pa
     notes = tmp_path / "notes.yaml"
     notes.write_text("steps:\n  R1.6: my set_epoch words\nexplain:\n  aggregation: |\n    my words\n    on SUM\n")
     runs = [report.read_run(logs["one"]), report.read_run(logs["two"])]
-    assert report.main([str(logs["one"]), str(logs["two"]), "--out", str(tmp_path / "out"), "--no-figures",
-                        "--notes", str(notes)]) == 0
+    assert (
+        report.main(
+            [str(logs["one"]), str(logs["two"]), "--out", str(tmp_path / "out"), "--no-figures", "--notes", str(notes)]
+        )
+        == 0
+    )
     text = (tmp_path / "out" / "report.md").read_text()
-    assert f"| R1.6 | raw_ddp.py:{','.join(map(str, r1_tags(REPO / 'raw_ddp.py')['R1.6']))} | my set_epoch words |" in text
+    assert (
+        f"| R1.6 | raw_ddp.py:{','.join(map(str, r1_tags(REPO / 'raw_ddp.py')['R1.6']))} | my set_epoch words |" in text
+    )
     assert "**Explanation:** my words on SUM" in text and "[you write: why R1.6 is needed]" not in text
     assert "[you write: why R1.7 is needed]" in text and f"[you write: {report.EXPLAIN['scaling']}]" in text
     assert report.read_notes(notes, runs)["explain"] == {"aggregation": "my words on SUM"}
@@ -641,8 +841,23 @@ def test_compare_fills_before_and_after_from_the_students_logs(logs, tmp_path):
     after.write_text(after.read_text().replace('"batch_size": 32', '"batch_size": 64'))
     other = write_log(tmp_path / "cpu.jsonl", 1, 2, TWO, device="cpu")
     out = tmp_path / "out"
-    assert report.main([str(logs["two"]), "--out", str(out), "--no-figures", "--compare", str(logs["one"]), str(after),
-                        "--compare", str(logs["one"]), str(other)]) == 0
+    assert (
+        report.main(
+            [
+                str(logs["two"]),
+                "--out",
+                str(out),
+                "--no-figures",
+                "--compare",
+                str(logs["one"]),
+                str(after),
+                "--compare",
+                str(logs["one"]),
+                str(other),
+            ]
+        )
+        == 0
+    )
     text = (out / "report.md").read_text()
     assert f"**Before/after** (`--compare {logs['one']} {after}`):" in text
     assert "| before: one | batch_size: 32 -> 64 | 300.000 | 500.0 | 0.9000 | 4 |" in text
@@ -659,8 +874,17 @@ def test_demonstrate_facts_from_the_header(tmp_path):
     a ring sends 2 x 1/2 of them per rank; with --profile the measured all-reduce, 2 s of a 10 s epoch."""
     assert report.shards(1001, 2, 32) == {"shard": 501, "padding": 1, "padded_ranks": [1], "steps": 15, "dropped": 21}
     assert report.shards(10, 4, None)["padded_ranks"] == [2, 3]  # 3 each = 12: two repeats
-    path = write_log(tmp_path / "two.jsonl", 1, 2, [(10.0, 400.0, 0.5)], train_images=1001, val_images=10,
-                     per_device_batch_size=32, model_parameters=17117754, steps_per_epoch=15)
+    path = write_log(
+        tmp_path / "two.jsonl",
+        1,
+        2,
+        [(10.0, 400.0, 0.5)],
+        train_images=1001,
+        val_images=10,
+        per_device_batch_size=32,
+        model_parameters=17117754,
+        steps_per_epoch=15,
+    )
     path.write_text(path.read_text().replace('"val_accuracy": 0.5}', '"val_accuracy": 0.5, "comm_estimate": 2.0}'))
     run = report.read_run(path)
     assert report.gradient_bytes(run) == (68471016, 4)
@@ -678,6 +902,7 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     """docs/report-example/README.md's command, run into a fresh folder, writes the committed report.md."""
     pytest.importorskip("matplotlib")  # the committed report.md names its figures
     import shlex
+
     readme = EXAMPLE.joinpath("README.md").read_text()
     command = re.search(r"```bash\n(python -m cifar_wrn\.report .*?)\n```", readme, re.S).group(1)
     args = shlex.split(command.replace("\\\n", " "))
@@ -685,11 +910,12 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     args[args.index("--out") + 1] = str(tmp_path)
     for flag in ("--pdf", "--caption"):  # the PDF is not compared: leave it out
         if flag in args:
-            del args[args.index(flag):args.index(flag) + 2]
+            del args[args.index(flag) : args.index(flag) + 2]
     result = subprocess.run([sys.executable, *args[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "report.md").read_text() == EXAMPLE.joinpath("report.md").read_text(), \
+    assert (tmp_path / "report.md").read_text() == EXAMPLE.joinpath("report.md").read_text(), (
         "docs/report-example/report.md is stale: run the command in docs/report-example/README.md"
+    )
 
 
 @pytest.mark.slow  # report.main starts a process inside the project's code (conftest cannot see it)
@@ -697,18 +923,22 @@ def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch
     """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
     pytest.importorskip("fpdf")
     from cifar_wrn import report_pdf
+
     built = []
     build = report_pdf.build
     monkeypatch.setattr(report_pdf, "build", lambda *args: built.append(args[3]) or build(*args))
     monkeypatch.setattr(report_pdf, "MAX_PAGES", 1)
     pdf = tmp_path / "r.pdf"
-    assert report.main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf",
-                        str(pdf)]) == 0
+    assert (
+        report.main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(pdf)]) == 0
+    )
     assert built == [False, True]  # normal, then compact
     pages, _, images = pdf_text(pdf)
     assert pages == 2 and images == 0  # --no-figures: the PDF says so instead
-    assert f"wrote {pdf} (2 pages); warning: more than the course's 1: report fewer runs at a time" \
+    assert (
+        f"wrote {pdf} (2 pages); warning: more than the course's 1: report fewer runs at a time"
         in capsys.readouterr().out
+    )
 
 
 def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
@@ -731,6 +961,7 @@ def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
 def test_the_example_notes_file_is_accepted_and_fills_its_slots(logs, tmp_path):
     notes = report.read_notes(EXAMPLE / "notes.yaml", [report.read_run(logs["two"])])
     assert set(notes) == {"steps", "explain"} and set(notes["explain"]) == set(report.EXPLAIN)
-    text = report.write_report([report.read_run(logs["two"])], tmp_path / "out", figures=False,
-                               notes=notes)[0].read_text()
+    text = report.write_report([report.read_run(logs["two"])], tmp_path / "out", figures=False, notes=notes)[
+        0
+    ].read_text()
     assert f"[you write: {report.EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text

@@ -1,6 +1,7 @@
 """The safety net (recipe key extra_epochs, issue 25): when the epoch budget ends with the target still
 reachable within the extra epochs, both trainers train on at the budget's last epoch's learning rates; the
 epoch lines and the JSON log say so, and a checkpoint taken inside an extra epoch resumes exactly."""
+
 import json
 import os
 import re
@@ -9,19 +10,20 @@ import sys
 
 import pytest
 import torch
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
+from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
 
 from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
-from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
 
 PREEMPTED_EXIT = 75
 EPOCH = re.compile(r"^Epoch = +(\d+): Cumulative Time = .*Validation Accuracy = [\d.]+$", re.M)
 
 
 # ----------------------------------------------------------------------------- the rule, without processes
+
 
 def simulate(accuracies: list, progress: Progress | None = None, **recipe_keys) -> tuple[Progress, bool, list]:
     """The trainers' epoch loop (Progress.epochs / end_epoch) over given validation accuracies."""
@@ -40,8 +42,10 @@ def test_off_by_default_the_budget_ends_the_run():
     progress, done, records = simulate([0.70, 0.80, 0.849, 0.866])
     assert (progress.epoch, done) == (4, False)
     assert not any("safety_net" in r or "extra_epoch" in r for r in records)
-    assert final_line(progress, Recipe(epochs=4), done) == \
-        "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs"
+    assert (
+        final_line(progress, Recipe(epochs=4), done)
+        == "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs"
+    )
 
 
 def test_near_miss_at_the_budgets_end_fires_and_the_extra_epoch_completes_the_criterion():
@@ -49,8 +53,10 @@ def test_near_miss_at_the_budgets_end_fires_and_the_extra_epoch_completes_the_cr
     assert (progress.epoch, done) == (5, True)
     assert records[3]["safety_net"] == {"budget": 4, "extra_epochs": 1, "streak": 1, "patience": 2}
     assert records[4]["extra_epoch"] == 1 and "safety_net" not in records[4]
-    assert final_line(progress, Recipe(epochs=4, extra_epochs=1), done) == \
-        "Early stopping after epoch 5 (1 safety-net epoch(s) after the 4-epoch budget)"
+    assert (
+        final_line(progress, Recipe(epochs=4, extra_epochs=1), done)
+        == "Early stopping after epoch 5 (1 safety-net epoch(s) after the 4-epoch budget)"
+    )
     line = epoch_line({**records[3], "cumulative_time": 1.0, "epoch_time": 1.0, "images_per_sec": 1.0, "val_loss": 1.0})
     course, note = line.split("\n")
     assert course.startswith("Epoch =  4: ") and note.startswith("Safety net: the target was met 1 of 2 epochs")
@@ -59,16 +65,21 @@ def test_near_miss_at_the_budgets_end_fires_and_the_extra_epoch_completes_the_cr
 def test_an_extra_epoch_that_misses_ends_the_run_unmet():
     progress, done, records = simulate([0.70, 0.80, 0.849, 0.866, 0.849], extra_epochs=1)
     assert (progress.epoch, done) == (5, False)
-    assert final_line(progress, Recipe(epochs=4, extra_epochs=1), done) == \
-        "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs and 1 safety-net epoch(s)"
+    assert (
+        final_line(progress, Recipe(epochs=4, extra_epochs=1), done)
+        == "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs and 1 safety-net epoch(s)"
+    )
 
 
-@pytest.mark.parametrize("accuracies, extra_epochs, epochs_run", [
-    ([0.70, 0.80, 0.84, 0.845], 1, 4),             # both last epochs missed: one extra epoch cannot make two
-    ([0.70, 0.86, 0.87], 1, 3),                    # met inside the budget: nothing to catch
-    ([0.70, 0.80, 0.84, 0.845, 0.86, 0.86], 2, 6),  # two extra epochs can make two in a row
-    ([0.70, 0.80, 0.849, 0.866, 0.84, 0.9], 2, 5),  # a miss leaves 1 epoch for 2 in a row: stop there
-])
+@pytest.mark.parametrize(
+    "accuracies, extra_epochs, epochs_run",
+    [
+        ([0.70, 0.80, 0.84, 0.845], 1, 4),  # both last epochs missed: one extra epoch cannot make two
+        ([0.70, 0.86, 0.87], 1, 3),  # met inside the budget: nothing to catch
+        ([0.70, 0.80, 0.84, 0.845, 0.86, 0.86], 2, 6),  # two extra epochs can make two in a row
+        ([0.70, 0.80, 0.849, 0.866, 0.84, 0.9], 2, 5),  # a miss leaves 1 epoch for 2 in a row: stop there
+    ],
+)
 def test_the_net_runs_only_while_the_criterion_can_still_be_met(accuracies, extra_epochs, epochs_run):
     progress, _, records = simulate(accuracies, extra_epochs=extra_epochs)
     assert progress.epoch == epochs_run
@@ -105,11 +116,28 @@ def test_extra_epochs_is_checked_and_only_fast_turns_it_on():
 
 # ----------------------------------------------------------------------------- both trainers, 2 processes
 
+
 def command(trainer, cifar_dir, ck, *extra) -> tuple[list, dict]:
     """(command line, environment) of a 2-process run of `trainer` with a 2-epoch budget and target 0."""
-    common = ["--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES,
-              "--epochs", 2, "--target-accuracy", 0.0, "--set", "lr_schedule=warmup_linear",
-              "--set", "warmup_epochs=0.5", "--checkpoint-dir", ck, *extra]
+    common = [
+        "--data-dir",
+        cifar_dir,
+        "--train-subset",
+        TRAIN_IMAGES,
+        "--val-subset",
+        VAL_IMAGES,
+        "--epochs",
+        2,
+        "--target-accuracy",
+        0.0,
+        "--set",
+        "lr_schedule=warmup_linear",
+        "--set",
+        "warmup_epochs=0.5",
+        "--checkpoint-dir",
+        ck,
+        *extra,
+    ]
     if trainer == "raw":
         return [sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *common], cpu_env()
     return accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir), *common), accel_env()
@@ -126,12 +154,17 @@ def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     miss), so extra_epochs=2 runs epoch 3, which completes the criterion. (A stop and resume inside an extra
     epoch: test_a_sigterm_inside_an_extra_epoch_resumes_exactly.)"""
     keys = ["--patience", 3, "--set", "extra_epochs=2"]
-    straight = launcher(trainer, cifar_dir, tmp_path / "ck_a")(*keys, "--save", tmp_path / "a.pt",
-                                                               "--log-json", tmp_path / "a.jsonl")
+    straight = launcher(trainer, cifar_dir, tmp_path / "ck_a")(
+        *keys, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl"
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert [int(n) for n in EPOCH.findall(straight.stdout)] == [1, 2, 3]
-    assert re.search(r"^Epoch =  2: .*\nSafety net: the target was met 2 of 3 epochs in a row when the 2-epoch "
-                     r"budget ended; training on for up to 2 more epoch", straight.stdout, re.M), straight.stdout
+    assert re.search(
+        r"^Epoch =  2: .*\nSafety net: the target was met 2 of 3 epochs in a row when the 2-epoch "
+        r"budget ended; training on for up to 2 more epoch",
+        straight.stdout,
+        re.M,
+    ), straight.stdout
     assert "Early stopping after epoch 3 (1 safety-net epoch(s) after the 2-epoch budget)" in straight.stdout
     _, epochs = read_log(tmp_path / "a.jsonl")
     assert epochs[1]["safety_net"]["extra_epochs"] == 2 and epochs[2]["extra_epoch"] == 1
@@ -141,8 +174,9 @@ def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_the_net_does_not_fire_when_the_criterion_is_out_of_reach(cifar_dir, tmp_path, trainer):
     """The same run with patience 4: 2 passing epochs + 1 extra cannot make 4 in a row, so the budget ends it."""
-    result = launcher(trainer, cifar_dir, tmp_path / "ck")("--patience", 4, "--set", "extra_epochs=1",
-                                                           "--log-json", tmp_path / "log.jsonl")
+    result = launcher(trainer, cifar_dir, tmp_path / "ck")(
+        "--patience", 4, "--set", "extra_epochs=1", "--log-json", tmp_path / "log.jsonl"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [int(n) for n in EPOCH.findall(result.stdout)] == [1, 2] and "Safety net" not in result.stdout
     assert "Target accuracy 0.0 not reached 4 epochs in a row within 2 epochs\n" in result.stdout
@@ -166,8 +200,9 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     fires and the run stops after epoch 30, 28 extra epochs, giving the signal sent after the first extra
     epoch's record ample time to land inside the net."""
     keys = ["--train-subset", 128, "--set", "data_pipeline=device", "--patience", 30, "--set", "extra_epochs=30"]
-    straight = launcher(trainer, cifar_dir, tmp_path / "ck_straight")(*keys, "--save", tmp_path / "straight.pt",
-                                                                      "--log-json", tmp_path / "straight.jsonl")
+    straight = launcher(trainer, cifar_dir, tmp_path / "ck_straight")(
+        *keys, "--save", tmp_path / "straight.pt", "--log-json", tmp_path / "straight.jsonl"
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
     last_line = "Early stopping after epoch 30 (28 safety-net epoch(s) after the 2-epoch budget)"
     assert [int(n) for n in EPOCH.findall(straight.stdout)] == list(range(1, 31)) and last_line in straight.stdout
@@ -185,14 +220,20 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     expected = (PREEMPTED_EXIT,) if trainer == "raw" else LAUNCHER_SIGTERM_EXITS
     assert stopped.returncode in expected, stopped.stderr[-3000:]
     assert step in (1, 2) and 3 <= epoch < 30, (epoch, step, stopped.stdout[-2000:], stopped.stderr[-3000:])
-    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, \
+    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, (
         stopped.stderr[-3000:]
+    )
     assert [int(n) for n in EPOCH.findall(stopped.stdout)] == list(range(1, epoch + 1))
-    assert stopped.stdout.count("Safety net: ") == 1 and re.search(r"^Epoch =  2: .*\nSafety net: ", stopped.stdout,
-                                                                    re.M), stopped.stdout
+    assert stopped.stdout.count("Safety net: ") == 1 and re.search(
+        r"^Epoch =  2: .*\nSafety net: ", stopped.stdout, re.M
+    ), stopped.stdout
 
-    resumed = finish(start(*command(trainer, cifar_dir, ck, *keys, "--resume", "--log-json", log,
-                                    "--save", tmp_path / "resumed.pt")), 240)
+    resumed = finish(
+        start(
+            *command(trainer, cifar_dir, ck, *keys, "--resume", "--log-json", log, "--save", tmp_path / "resumed.pt")
+        ),
+        240,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"epoch {epoch + 1}, step {step} of 2" in resumed.stdout, resumed.stdout
     assert [int(n) for n in EPOCH.findall(resumed.stdout)] == list(range(epoch + 1, 31))

@@ -1,11 +1,11 @@
 """Seeds as a measurement (issue 25): bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
 bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three)."""
+
 import json
 import math
 import sys
 
 import pytest
-
 from conftest import REPO, run
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -19,21 +19,28 @@ def write_log(path, seed, accuracies, recipe=None, resumed_at=None):
     """A trainer's JSON log: a header, then one record per epoch; resumed_at=k appends a second header and the
     epochs from k on again (what a run resumed in epoch k writes; the earlier copy of epoch k is stale)."""
     header = {"kind": "header", "recipe": {**RECIPE, **(recipe or {}), "seed": seed}}
-    records = [header] + [{"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
-                          for i, a in enumerate(accuracies)]
+    records = [header] + [
+        {"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
+        for i, a in enumerate(accuracies)
+    ]
     if resumed_at:
         records[resumed_at]["val_accuracy"] = 0.0  # stale: the resumed run redid this epoch
         records += [dict(header, resumed_at={"epoch": resumed_at, "step": 3})]
-        records += [{"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
-                    for i, a in enumerate(accuracies) if i + 1 >= resumed_at]
+        records += [
+            {"kind": "epoch", "epoch": i + 1, "val_accuracy": a, "cumulative_time": 10.0 * (i + 1)}
+            for i, a in enumerate(accuracies)
+            if i + 1 >= resumed_at
+        ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
 def test_per_epoch_statistics_and_criterion_counts(tmp_path):
-    logs = [write_log(tmp_path / "s0.jsonl", 0, [0.75, 0.82, 0.852, 0.866]),            # met at epoch 4
-            write_log(tmp_path / "s1.jsonl", 1, [0.74, 0.86, 0.851]),                   # met at epoch 3
-            write_log(tmp_path / "s2.jsonl", 2, [0.76, 0.80, 0.849, 0.866, 0.86], resumed_at=3)]  # the net
+    logs = [
+        write_log(tmp_path / "s0.jsonl", 0, [0.75, 0.82, 0.852, 0.866]),  # met at epoch 4
+        write_log(tmp_path / "s1.jsonl", 1, [0.74, 0.86, 0.851]),  # met at epoch 3
+        write_log(tmp_path / "s2.jsonl", 2, [0.76, 0.80, 0.849, 0.866, 0.86], resumed_at=3),
+    ]  # the net
     runs, notes = seeds_summary.load_runs(logs)
     assert notes == [] and [len(r["epochs"]) for r in runs] == [4, 3, 5]  # the resumed log is one run
     rows = {row["epoch"]: row for row in seeds_summary.per_epoch(runs)}
@@ -66,7 +73,9 @@ def test_group_summarises_each_recipe_apart(tmp_path):
     logs += [write_log(tmp_path / f"muon{k}.jsonl", k, [0.8, 0.84, 0.86], recipe={"base_lr": 0.2}) for k in range(2)]
     groups = seeds_summary.by_recipe(seeds_summary.load_runs(logs)[0])
     assert [(name, len(runs)) for name, runs in groups] == [
-        ("the reference recipe (the largest group)", 3), ("base_lr=0.2", 2)]
+        ("the reference recipe (the largest group)", 3),
+        ("base_lr=0.2", 2),
+    ]
     text = run([sys.executable, "bench/seeds_summary.py", "--group", tmp_path]).stdout
     assert "### base_lr=0.2\n" in text and "| 2 | 2 | 0.8400 |" in text and "| 2 | 3 | 0.8500 |" in text
     assert "not only in seed" not in text
@@ -83,7 +92,9 @@ def test_summary_command_line(tmp_path):
 def test_seed_plans():
     assert seeds.lever_lines(3, first=0, sets=[]) == ["seed=0", "seed=1", "seed=2"]
     assert seeds.lever_lines(2, first=5, sets=["muon=true", "bn_lr_scale=8"]) == [
-        "muon=true bn_lr_scale=8 seed=5", "muon=true bn_lr_scale=8 seed=6"]
+        "muon=true bn_lr_scale=8 seed=5",
+        "muon=true bn_lr_scale=8 seed=6",
+    ]
     commands = seeds.cpu_commands("fast", 2, first=1, sets=["batch_size=64"], out="o", extra=["--data-dir", "d"])
     assert [c[-1] for c in commands] == ["o/seed-1.jsonl", "o/seed-2.jsonl"]
     assert commands[0][:2] == [sys.executable, "raw_ddp.py"] and ["--set", "seed=1"] == commands[0][-4:-2]
@@ -91,10 +102,37 @@ def test_seed_plans():
 
 
 def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path):
-    result = run([sys.executable, "bench/seeds.py", "--seeds", 2, "--first", 3, "--recipe", "baseline",
-                  "--out", tmp_path, "--set", "eval_batch_size=64", "--num-gpus", 2, "--device", "cpu",
-                  "--model-width", 4, "--data-dir", cifar_dir, "--train-subset", 64, "--val-subset", 101,
-                  "--epochs", 1], timeout=240)
+    result = run(
+        [
+            sys.executable,
+            "bench/seeds.py",
+            "--seeds",
+            2,
+            "--first",
+            3,
+            "--recipe",
+            "baseline",
+            "--out",
+            tmp_path,
+            "--set",
+            "eval_batch_size=64",
+            "--num-gpus",
+            2,
+            "--device",
+            "cpu",
+            "--model-width",
+            4,
+            "--data-dir",
+            cifar_dir,
+            "--train-subset",
+            64,
+            "--val-subset",
+            101,
+            "--epochs",
+            1,
+        ],
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 runs;" in result.stdout and "| seed-3 | 3 |" in result.stdout and "| seed-4 | 4 |" in result.stdout
     assert "not only in seed" not in result.stdout  # the two runs differ only in seed
@@ -103,13 +141,15 @@ def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path)
 
 def test_sync_counter_attributes_each_warning_to_its_phase_and_line():
     import warnings
+
     import sync_count
 
     def two_syncs():
-        warnings.warn("called a synchronizing CUDA operation")  # what set_sync_debug_mode("warn") raises
-        warnings.warn("called a synchronizing CUDA operation")
-        warnings.warn("something else")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # as set_sync_debug_mode("warn")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
         return 7
+
     sync = sync_count.SyncCounter()
     assert sync("ema", two_syncs) == 7 and sync("optimizer", lambda: None) is None
     assert sync.counts == {"ema": 2}
@@ -120,8 +160,23 @@ def test_sync_counter_attributes_each_warning_to_its_phase_and_line():
 
 def test_sync_count_runs_the_fast_step_on_the_cpu():
     """A smoke test for the GPU session: the script runs the whole step (DDP, EMA, StepGuard) and prints its table."""
-    result = run([sys.executable, "bench/sync_count.py", "--device", "cpu", "--model-width", 4, "--steps", 2,
-                  "--warmup", 1, "--set", "batch_size=8"], timeout=240)
+    result = run(
+        [
+            sys.executable,
+            "bench/sync_count.py",
+            "--device",
+            "cpu",
+            "--model-width",
+            4,
+            "--steps",
+            2,
+            "--warmup",
+            1,
+            "--set",
+            "batch_size=8",
+        ],
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| ema | 0 |" in result.stdout and "| all | 0 |" in result.stdout
     bad = run([sys.executable, "bench/sync_count.py", "--device", "cpu", "--set", "data_pipeline=dataloader"])
@@ -131,6 +186,7 @@ def test_sync_count_runs_the_fast_step_on_the_cpu():
 def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe():
     """bench/levers-25.txt feeds bench/gpu_sweep.sh on a GPU lent for minutes: a bad key would cost a run there."""
     from cifar_wrn.recipe import load_recipe, parse_set
+
     lines = [line.split("#")[0].split() for line in (REPO / "bench" / "levers-25.txt").read_text().splitlines()]
     lines = [words for words in lines if words]
     assert len(lines) >= 12 and all(any(w.startswith("seed=") for w in words) for words in lines)

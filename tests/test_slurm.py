@@ -14,6 +14,7 @@ start fails them, saying why.
 Every job runs under a hard timeout: past it the job is cancelled, its processes killed (they carry
 the test's tag in their environment) and the test fails, so a hang cannot block the suite.
 """
+
 import json
 import os
 import re
@@ -27,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
@@ -41,21 +41,51 @@ HARD_TIMEOUT = 480
 TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
 
 # Variables the scripts read: a developer's own values must not leak into the tests.
-SCRIPT_KNOBS = {"DEVICE", "GPUS_PER_NODE", "RECIPE", "EXTRA_ARGS", "SAVE_MODEL", "MASTER_ADDR", "MASTER_PORT",
-                "DATA_DIR", "DATA_SRC", "REPO_DIR", "RUNS_DIR", "MODULES", "MODULE_RESET", "VENV", "PYTHON",
-                "ACCELERATE", "ACCEL_CONFIG", "ACCEL_ARGS", "ACCELERATE_USE_CPU", "RANK", "LOCAL_RANK",
-                "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CIFAR_WRN_TEST_RAISE_IN_RANK", "CHECKPOINT_DIR", "TMPDIR"}
+SCRIPT_KNOBS = {
+    "DEVICE",
+    "GPUS_PER_NODE",
+    "RECIPE",
+    "EXTRA_ARGS",
+    "SAVE_MODEL",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DATA_DIR",
+    "DATA_SRC",
+    "REPO_DIR",
+    "RUNS_DIR",
+    "MODULES",
+    "MODULE_RESET",
+    "VENV",
+    "PYTHON",
+    "ACCELERATE",
+    "ACCEL_CONFIG",
+    "ACCEL_ARGS",
+    "ACCELERATE_USE_CPU",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "CIFAR_WRN_TEST_RAISE_IN_RANK",
+    "CHECKPOINT_DIR",
+    "TMPDIR",
+}
 
 
 def test_scripts_are_there():
     names = {p.name for p in SCRIPTS}
-    assert {"raw_1gpu.sbatch", "raw_2gpu.sbatch", "raw_multinode.sbatch", "accel_2gpu.sbatch",
-            "accel_multinode.sbatch"} <= names
+    assert {
+        "raw_1gpu.sbatch",
+        "raw_2gpu.sbatch",
+        "raw_multinode.sbatch",
+        "accel_2gpu.sbatch",
+        "accel_multinode.sbatch",
+    } <= names
     for path in SCRIPTS:
         assert os.access(path, os.X_OK), f"{path} is not executable"
 
 
 # ============================================================================ static checks
+
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
 def test_bash_syntax(path):
@@ -161,13 +191,18 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
 
 # ============================================================================ the cluster, and jobs on it
 
+
 def test_no_cluster_says_why(monkeypatch):
     """Where Slurm is not installed the cluster says what is missing and installs nothing (no cluster needed)."""
     import slurm_cluster
+
     monkeypatch.setattr(slurm_cluster, "missing_commands", lambda: ["slurmctld", "sbatch"])
     monkeypatch.setattr(slurm_cluster.sys, "platform", "linux")
-    with pytest.raises(Unavailable, match=r"^slurmctld, sbatch not installed: install Debian's slurm-client slurmctld "
-                                          r"packages \(as .ci/run does\)$"):
+    with pytest.raises(
+        Unavailable,
+        match=r"^slurmctld, sbatch not installed: install Debian's slurm-client slurmctld "
+        r"packages \(as .ci/run does\)$",
+    ):
         slurm_cluster.check_installed()
     monkeypatch.setattr(slurm_cluster, "missing_commands", lambda: [])
     slurm_cluster.check_installed()
@@ -187,6 +222,7 @@ def test_the_nodes_resolve_alike_whatever_the_machine_hosts_file_says():
 def test_clusters_side_by_side_get_their_own_job_ports(monkeypatch):
     """One cluster per pytest-xdist worker: each slot's jobs use ports (10000 + job id % 20000) of their own."""
     import slurm_cluster
+
     monkeypatch.setattr(slurm_cluster, "port_is_free", lambda port: True)
     for slot in (0, 1, 3, 19):
         for _ in range(20):
@@ -252,17 +288,27 @@ class Job:
         return path.read_text() if path.exists() else "(no train.log)"
 
     def describe(self) -> str:
-        return (f"job {self.job_id}: {self.state}, exit code {self.record.get('ExitCode')}, restarts "
-                f"{self.restarts}, after {self.seconds:.0f} s\n--- job output {self.out_file}:\n{self.output}\n"
-                f"--- the cluster's logs:\n{self.cluster.logs()}")
+        return (
+            f"job {self.job_id}: {self.state}, exit code {self.record.get('ExitCode')}, restarts "
+            f"{self.restarts}, after {self.seconds:.0f} s\n--- job output {self.out_file}:\n{self.output}\n"
+            f"--- the cluster's logs:\n{self.cluster.logs()}"
+        )
 
 
 def job_env(cluster: SlurmCluster, tmp_path: Path, tag: str, **extra) -> dict:
     """The submitting environment (sbatch passes it to the job): this Python, the CPU, the test's folders."""
     env = cluster.client_env({k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS})
-    env.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]), PYTHON=sys.executable,
-               VENV="", MODULES="", DEVICE="cpu", RUNS_DIR=str(tmp_path / "runs"), PROBE_DIR=str(tmp_path),
-               PYTHONWARNINGS="ignore::UserWarning", SLURM_TEST_TAG=tag)
+    env.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),
+        PYTHON=sys.executable,
+        VENV="",
+        MODULES="",
+        DEVICE="cpu",
+        RUNS_DIR=str(tmp_path / "runs"),
+        PROBE_DIR=str(tmp_path),
+        PYTHONWARNINGS="ignore::UserWarning",
+        SLURM_TEST_TAG=tag,
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -287,15 +333,30 @@ def job_ended(job: Job) -> bool:
     return job.state in FINISHED
 
 
-def sbatch(cluster: SlurmCluster, tmp_path: Path, script, *options, timeout=HARD_TIMEOUT, cwd=REPO,
-           account="test", during=None, **env_extra) -> Job:
+def sbatch(
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    script,
+    *options,
+    timeout=HARD_TIMEOUT,
+    cwd=REPO,
+    account="test",
+    during=None,
+    **env_extra,
+) -> Job:
     """Submit `sbatch [options] script` to the test cluster and wait until the job has ended (requeued
     runs included); its output goes to tmp_path. `during(job)`, if given, is called once the job is
     submitted (to signal it, say). Fails the test if the job is still there after `timeout` s."""
     tag = uuid.uuid4().hex
     env = job_env(cluster, tmp_path, tag, **env_extra)
-    cmd = ["sbatch", "--parsable", *([f"--account={account}"] if account else []),
-           f"--output={tmp_path / 'job-%j.out'}", *options, str(script)]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        *([f"--account={account}"] if account else []),
+        f"--output={tmp_path / 'job-%j.out'}",
+        *options,
+        str(script),
+    ]
     t0 = time.monotonic()
     submitted = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, f"{cmd}: {submitted.stdout}{submitted.stderr}"
@@ -335,8 +396,9 @@ def wait_for(path: Path, what: str, job: Job, text=None, timeout=300) -> None:
             if job_ended(job):
                 break
         time.sleep(0.05)
-    pytest.fail(f"{what} never happened ({'the job ended' if job.state in FINISHED else 'timed out'})\n"
-                f"{job.describe()}")
+    pytest.fail(
+        f"{what} never happened ({'the job ended' if job.state in FINISHED else 'timed out'})\n{job.describe()}"
+    )
 
 
 def write_script(tmp_path: Path, body: str, name="probe.sbatch") -> Path:
@@ -348,21 +410,26 @@ def write_script(tmp_path: Path, body: str, name="probe.sbatch") -> Path:
 
 # ============================================================================ the cluster
 
+
 def test_sbatch_accepts_the_headers(cluster):
     """The real sbatch parses every script's #SBATCH block, and the request (partition, nodes, GPUs,
     cores) fits two Falcon-shaped nodes: `sbatch --test-only` schedules it without running it."""
     for path in SCRIPTS:
         result = cluster.command("sbatch", "--test-only", path, check=False)
         nodes = r"node\[1-2\]" if "multinode" in path.name else r"node[12]"
-        assert result.returncode == 0 and re.search(f"on nodes {nodes} in partition a30_normal_q", result.stderr), \
+        assert result.returncode == 0 and re.search(f"on nodes {nodes} in partition a30_normal_q", result.stderr), (
             f"{path.name}: {result.stderr}"
+        )
 
 
-@pytest.mark.parametrize("line, message", [
-    ("#SBATCH --acount=x", "unrecognized option '--acount=x'"),
-    ("#SBATCH --time=1h", "Invalid --time specification"),
-    ("#SBATCH --gres=gpu:5", "Requested node configuration is not available"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("#SBATCH --acount=x", "unrecognized option '--acount=x'"),
+        ("#SBATCH --time=1h", "Invalid --time specification"),
+        ("#SBATCH --gres=gpu:5", "Requested node configuration is not available"),
+    ],
+)
 def test_sbatch_rejects_bad_directives(cluster, tmp_path, line, message):
     """What test_sbatch_accepts_the_headers catches: a misspelt option, a bad time, more GPUs than a node has."""
     script = write_script(tmp_path, f"#!/bin/bash\n#SBATCH --nodes=1\n{line}\necho ran\n")
@@ -395,13 +462,16 @@ def test_what_a_job_sees(cluster, tmp_path):
     job = sbatch(cluster, tmp_path, script, "--nodes=2", timeout=60)
     assert job.state == "COMPLETED" and job.exit_status == 0, job.describe()
     out = job.output
-    assert (f"batch: {job.job_id} probe nodes=2/2 list=node[1-2] gpus=2 cpus=4 account=test submit={REPO} "
-            f"partition=a30_normal_q restart=none") in out, job.describe()
+    assert (
+        f"batch: {job.job_id} probe nodes=2/2 list=node[1-2] gpus=2 cpus=4 account=test submit={REPO} "
+        f"partition=a30_normal_q restart=none"
+    ) in out, job.describe()
     assert "first: node1" in out and re.search(r"resolves: 127\.0\.0\.1\s+node2", out), job.describe()
     tasks = sorted(line.split() for line in out.splitlines() if line.startswith("task "))
     assert [t[1:12] for t in tasks] == [
         ["0", "node", "0", "of", "2", "on", "node1", "host", "node1", "gpus", "0,1"],
-        ["1", "node", "1", "of", "2", "on", "node2", "host", "node2", "gpus", "0,1"]], job.describe()
+        ["1", "node", "1", "of", "2", "on", "node2", "host", "node2", "gpus", "0,1"],
+    ], job.describe()
     batch_tmp = re.search(r"batch tmp: (\S+) on node1", out).group(1)
     assert [t[13] for t in tasks] == [batch_tmp, batch_tmp] and [t[15] for t in tasks] == ["node1", "node2"]
     if len(os.sched_getaffinity(0)) > 1:
@@ -413,25 +483,32 @@ def test_what_a_job_sees(cluster, tmp_path):
 
 def test_srun_kill_on_bad_exit(cluster, tmp_path):
     """Node 2 fails at once: --kill-on-bad-exit=1 ends node 1 (which would sleep 120 s) and srun fails."""
-    script = write_script(tmp_path, """#!/bin/bash
+    script = write_script(
+        tmp_path,
+        """#!/bin/bash
 #SBATCH --nodes=2
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'if [[ $SLURM_NODEID == 1 ]]; then exit 3; fi; exec sleep 120'
 echo "srun status $?"
-""")
+""",
+    )
     job = sbatch(cluster, tmp_path, script, timeout=100)
     assert job.state == "COMPLETED", job.describe()
-    assert re.search(r"srun status [1-9]", job.output) and "task 1: Exited with exit code 3" in job.output, \
+    assert re.search(r"srun status [1-9]", job.output) and "task 1: Exited with exit code 3" in job.output, (
         job.describe()
+    )
     # < 90 s: node 1 left running would sleep 120 s; a job on a loaded machine took 31.6 s (the bound was 30 s)
     assert job.seconds < 90 and not job.leftovers, job.describe()
 
 
 def test_srun_without_kill_waits_for_all(cluster, tmp_path):
-    script = write_script(tmp_path, """#!/bin/bash
+    script = write_script(
+        tmp_path,
+        """#!/bin/bash
 #SBATCH --nodes=2
 srun bash -c 'if [[ $SLURM_NODEID == 1 ]]; then exit 3; fi; sleep 2; echo "node 0 done"'
 echo "srun status $?"
-""")
+""",
+    )
     job = sbatch(cluster, tmp_path, script, timeout=60)
     assert "node 0 done" in job.output and "srun status 3" in job.output, job.describe()
 
@@ -439,7 +516,9 @@ echo "srun status $?"
 def test_srun_passes_sigusr1_on_and_ends_the_step_on_sigterm(cluster, tmp_path):
     """What slurm/common.sh relies on: SIGUSR1 to srun reaches every task (each traps it and ends);
     SIGTERM to srun ends the step ("forcing job termination"), with no time for a checkpoint."""
-    script = write_script(tmp_path, """#!/bin/bash
+    script = write_script(
+        tmp_path,
+        """#!/bin/bash
 #SBATCH --nodes=2
 task='trap "echo \\"task $SLURM_NODEID got USR1\\"; exit 0" USR1; touch "$PROBE_DIR/up-$SLURM_NODEID"
       while true; do sleep 0.1; done'
@@ -456,7 +535,8 @@ until [[ -e $PROBE_DIR/up2-0 && -e $PROBE_DIR/up2-1 ]]; do sleep 0.1; done
 kill -TERM "$pid"
 wait "$pid"
 echo "srun status after TERM: $?"
-""")
+""",
+    )
     job = sbatch(cluster, tmp_path, script, timeout=100)
     out = job.output
     assert "task 0 got USR1" in out and "task 1 got USR1" in out and "srun status after USR1: 0" in out, job.describe()
@@ -466,6 +546,7 @@ echo "srun status after TERM: $?"
 
 
 # ============================================================================ the job scripts, on the CPU
+
 
 def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
     assert job.state == "COMPLETED" and job.exit_status == 0, job.describe()
@@ -499,13 +580,16 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
     return header
 
 
-@pytest.mark.parametrize("name, options, world_size, num_nodes, launcher", [
-    ("raw_1gpu", [], 1, 1, "mp.spawn"),
-    ("raw_2gpu", [], 2, 1, "mp.spawn"),
-    ("raw_multinode", ["--gres=gpu:1"], 2, 2, "mp.spawn"),
-    ("accel_2gpu", [], 2, 1, "accelerate launch"),
-    ("accel_multinode", ["--gres=gpu:1"], 2, 2, "accelerate launch"),
-])
+@pytest.mark.parametrize(
+    "name, options, world_size, num_nodes, launcher",
+    [
+        ("raw_1gpu", [], 1, 1, "mp.spawn"),
+        ("raw_2gpu", [], 2, 1, "mp.spawn"),
+        ("raw_multinode", ["--gres=gpu:1"], 2, 2, "mp.spawn"),
+        ("accel_2gpu", [], 2, 1, "accelerate launch"),
+        ("accel_multinode", ["--gres=gpu:1"], 2, 2, "accelerate launch"),
+    ],
+)
 def test_job_script_trains_on_cpu(cluster, tmp_path, cifar_dir, name, options, world_size, num_nodes, launcher):
     """Each script as users submit it (its own #SBATCH lines; the multi-node ones with one GPU per
     node, so one process each), trained one epoch on the CPU."""
@@ -526,8 +610,15 @@ def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
     """Rank 1 (node 2) fails after start-up: the job must fail soon, leaving nothing behind. Soon: srun's
     --kill-on-bad-exit ends node 1 at once, long before rank 0 would give up waiting for rank 1 (--dist-timeout
     600); the bound leaves room for a slow start-up on a loaded machine."""
-    job = sbatch(cluster, tmp_path, SLURM / "raw_multinode.sbatch", "--gres=gpu:1", DATA_SRC=cifar_dir,
-                 EXTRA_ARGS=TINY + " --dist-timeout 600", CIFAR_WRN_TEST_RAISE_IN_RANK=1)
+    job = sbatch(
+        cluster,
+        tmp_path,
+        SLURM / "raw_multinode.sbatch",
+        "--gres=gpu:1",
+        DATA_SRC=cifar_dir,
+        EXTRA_ARGS=TINY + " --dist-timeout 600",
+        CIFAR_WRN_TEST_RAISE_IN_RANK=1,
+    )
     assert job.state == "FAILED" and job.exit_status != 0, job.describe()
     assert "injected test fault in rank 1" in job.output and "FAILED (exit status" in job.output, job.describe()
     assert job.seconds < 300, job.describe()
@@ -541,6 +632,7 @@ def test_submitting_from_elsewhere_says_how(cluster, tmp_path):
 
 
 # ============================================================================ preemption and requeue
+
 
 def preempt(job: Job) -> None:
     """What Slurm does 120 s before the time limit (--signal=B:USR1@120): SIGUSR1 to the batch shell only."""
@@ -658,6 +750,7 @@ def after_first_epoch(action):
     def during(job):
         wait_for(job.run_dir / "log.jsonl", "the first epoch", job, text='"kind": "epoch"')
         action(job)
+
     return during
 
 
@@ -690,18 +783,28 @@ def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_p
     passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint, the
     training exits 75, the script requeues the job; the second run resumes from the checkpoint in the
     middle of epoch 2 and finishes."""
-    job = sbatch(cluster, tmp_path, SLURM / "raw_multinode.sbatch", "--gres=gpu:1", during=after_first_epoch(preempt),
-                 DATA_SRC=cifar_dir, EXTRA_ARGS=PREEMPT_TINY)
+    job = sbatch(
+        cluster,
+        tmp_path,
+        SLURM / "raw_multinode.sbatch",
+        "--gres=gpu:1",
+        during=after_first_epoch(preempt),
+        DATA_SRC=cifar_dir,
+        EXTRA_ARGS=PREEMPT_TINY,
+    )
     stopped = check_requeued_and_resumed(job, steps_per_epoch=40)
     assert stopped.group(3) == str(job.run_dir / "checkpoints" / "checkpoint.pt"), job.log
     assert "SIGUSR1 received; passed on to the training as SIGUSR1" in job.log
     assert (job.run_dir / "checkpoints" / "checkpoint.pt").is_file()
 
 
-@pytest.mark.parametrize("name, options", [
-    ("accel_multinode", ["--gres=gpu:1"]),
-    ("accel_2gpu", []),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("accel_multinode", ["--gres=gpu:1"]),
+        ("accel_2gpu", []),
+    ],
+)
 def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir, name, options):
     """An accel_* script: SIGUSR1 to the batch shell after the first epoch. The shell must not pass
     SIGUSR1 on (it would kill `accelerate launch`): it writes "stop" into runs/<job id>/stop-request,
@@ -709,8 +812,15 @@ def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_
     ranks, which write a checkpoint (DIR/LATEST) and exit 75; accelerate launch fails (1 or 143), the script
     reads the training's "stopped by a signal ... checkpoint written" line, requeues the job, and the
     second run resumes at that step and finishes."""
-    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=after_first_epoch(preempt),
-                 DATA_SRC=cifar_dir, EXTRA_ARGS=ACCEL_PREEMPT_TINY)
+    job = sbatch(
+        cluster,
+        tmp_path,
+        SLURM / f"{name}.sbatch",
+        *options,
+        during=after_first_epoch(preempt),
+        DATA_SRC=cifar_dir,
+        EXTRA_ARGS=ACCEL_PREEMPT_TINY,
+    )
     stopped = check_requeued_and_resumed(job, steps_per_epoch=80)
     checkpoints = job.run_dir / "checkpoints"
     log = job.log
@@ -723,17 +833,28 @@ def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_
     assert (checkpoints / "LATEST").is_file()
 
 
-@pytest.mark.parametrize("name, options, checkpoint", [
-    ("raw_multinode", ["--gres=gpu:1"], "checkpoint.pt"),
-    ("accel_multinode", ["--gres=gpu:1"], "state-"),
-])
-def test_cancelled_multinode_job_checkpoints_and_is_not_requeued(cluster, tmp_path, cifar_dir, name, options,
-                                                                 checkpoint):
+@pytest.mark.parametrize(
+    "name, options, checkpoint",
+    [
+        ("raw_multinode", ["--gres=gpu:1"], "checkpoint.pt"),
+        ("accel_multinode", ["--gres=gpu:1"], "state-"),
+    ],
+)
+def test_cancelled_multinode_job_checkpoints_and_is_not_requeued(
+    cluster, tmp_path, cifar_dir, name, options, checkpoint
+):
     """scancel after the first epoch: SIGTERM to every process of the job, ranks included (SIGKILL
     30 s later). The training must still write its checkpoint in the middle of epoch 2, and the job
     must end cancelled, not requeued, saying how to continue from the checkpoint."""
-    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=after_first_epoch(cancel),
-                 DATA_SRC=cifar_dir, EXTRA_ARGS=ACCEL_PREEMPT_TINY)
+    job = sbatch(
+        cluster,
+        tmp_path,
+        SLURM / f"{name}.sbatch",
+        *options,
+        during=after_first_epoch(cancel),
+        DATA_SRC=cifar_dir,
+        EXTRA_ARGS=ACCEL_PREEMPT_TINY,
+    )
     assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
     log = job.log
     assert "SIGTERM received;" in log, job.describe()

@@ -3,6 +3,7 @@
 A crafted file here is one whose unpickling would call open(marker, "w"), as it could call anything: loading
 must refuse it with a message naming the file, and the marker must not exist afterwards.
 """
+
 import pickle
 import re
 import shutil
@@ -11,11 +12,10 @@ import sys
 
 import pytest
 import torch
+from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, resume_flags, run, synthetic_batch, write_cifar
 
 from cifar_wrn.checkpoint import TRAINING_STATE, CheckpointError, load_checkpoint, read_training_state
 from cifar_wrn.data import DataError, load_split
-from conftest import (TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, resume_flags, run, synthetic_batch,
-                      write_cifar)
 
 NOT_OURS = "is not a checkpoint this project wrote"
 
@@ -38,15 +38,20 @@ def data_flags(data_dir):
 
 def accel_train(*flags, timeout=180):
     """accel_train.py as one CPU process without a launcher (the file handling is the same as with 2)."""
-    return run([sys.executable, "accel_train.py", "--cpu", *flags], timeout=timeout,
-               env={k: v for k, v in cpu_env().items() if not k.startswith("ACCELERATE_")})
+    return run(
+        [sys.executable, "accel_train.py", "--cpu", *flags],
+        timeout=timeout,
+        env={k: v for k, v in cpu_env().items() if not k.startswith("ACCELERATE_")},
+    )
 
 
 # ----------------------------------------------------------------------------- CIFAR-10 batch files
 
+
 class Python2Pickler(pickle._Pickler):
     """What Python 2's cPickle wrote for the official files: protocol 2, byte strings as BINSTRING (read back
     as str with encoding="latin1"), numpy's functions under numpy.core."""
+
     dispatch = dict(pickle._Pickler.dispatch)
 
     def save_python2_str(self, obj):
@@ -68,8 +73,12 @@ def test_batch_files_load_whatever_wrote_them(tmp_path, protocol):
     path = tmp_path / "cifar-10-batches-py" / "test_batch"
     batch = synthetic_batch(4, seed=7)
     if protocol == "python2":
-        batch = {b"batch_label": b"testing batch 1 of 1", b"labels": batch["labels"], b"data": batch["data"],
-                 b"filenames": [b"a.png", b"b.png", b"c.png", b"d.png"]}
+        batch = {
+            b"batch_label": b"testing batch 1 of 1",
+            b"labels": batch["labels"],
+            b"data": batch["data"],
+            b"filenames": [b"a.png", b"b.png", b"c.png", b"d.png"],
+        }
         with open(path, "wb") as f:
             Python2Pickler(f, protocol=2).dump(batch)
         assert b"cnumpy.core.multiarray\n_reconstruct\n" in path.read_bytes()
@@ -94,8 +103,15 @@ def test_crafted_batch_file_is_refused_and_runs_nothing(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
-BAD_LABELS = {"None": None, "a number": 3, "strings": ["cat"] * 4, "a string": "0123", "floats": [0.5] * 4,
-              "nested lists": [[1]] * 4, "too few": [1, 2, 3]}
+BAD_LABELS = {
+    "None": None,
+    "a number": 3,
+    "strings": ["cat"] * 4,
+    "a string": "0123",
+    "floats": [0.5] * 4,
+    "nested lists": [[1]] * 4,
+    "too few": [1, 2, 3],
+}
 
 
 @pytest.mark.parametrize("case", BAD_LABELS)
@@ -121,13 +137,25 @@ def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def test_raw_resume_refuses_a_crafted_checkpoint(cifar_dir, tmp_path):
     path = tmp_path / "ck" / "checkpoint.pt"
     path.parent.mkdir()
     torch.save({"epoch": 1, "world_size": 2, "model_width": 4, "recipe": RunsCode(tmp_path / "marker")}, path)
     before = path.read_bytes()
-    result = raw_ddp("--num-gpus", 2, *TINY, *data_flags(cifar_dir), "--dist-timeout", 30, "--epochs", 2,
-                     "--checkpoint-dir", path.parent, "--resume")
+    result = raw_ddp(
+        "--num-gpus",
+        2,
+        *TINY,
+        *data_flags(cifar_dir),
+        "--dist-timeout",
+        30,
+        "--epochs",
+        2,
+        "--checkpoint-dir",
+        path.parent,
+        "--resume",
+    )
     assert result.returncode == 2, result.stderr
     assert f"{path} {NOT_OURS}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "marker").exists()
@@ -186,15 +214,19 @@ def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel
     assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA weights, bitwise
 
 
-@pytest.mark.parametrize("crafted", ["legacy custom_checkpoint_0.pkl", TRAINING_STATE, "optimizer.bin",
-                                     "random_states_0.pkl"])
+@pytest.mark.parametrize(
+    "crafted", ["legacy custom_checkpoint_0.pkl", TRAINING_STATE, "optimizer.bin", "random_states_0.pkl"]
+)
 def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted):
     """custom_checkpoint_0.pkl: what accel_train.py read with weights_only=False before; the others: what
     it reads now (its own file, and what accelerator.load_state reads)."""
     ck, flags, _ = accel_checkpoint
     shutil.copytree(ck, tmp_path / "ck")
-    folder = as_legacy(tmp_path / "ck") if crafted.startswith("legacy") else \
-        tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
+    folder = (
+        as_legacy(tmp_path / "ck")
+        if crafted.startswith("legacy")
+        else tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
+    )
     path = folder / crafted.split()[-1]
     torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
     before = path.read_bytes()
@@ -207,6 +239,7 @@ def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted)
 
 
 # ----------------------------------------------------------------------------- nothing outside the folder
+
 
 def victim_folder(tmp_path):
     """Somebody's folder outside the checkpoint folder, named like a checkpoint."""
@@ -239,6 +272,7 @@ LATEST_CASES = ["absolute", "dot-dot", "..", "symlinked folder", "symlinked LATE
 @pytest.mark.parametrize("how", LATEST_CASES)
 def test_latest_naming_anything_but_a_folder_of_dir_is_refused(tmp_path, how):
     from cifar_wrn.checkpoint import latest_checkpoint, publish_checkpoint
+
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     bad_latest(ck, victim, how)
     with pytest.raises(CheckpointError, match=f"^{re.escape(str(ck / 'LATEST'))} .*(refused|link)") as refused:
@@ -253,7 +287,9 @@ def test_latest_naming_anything_but_a_folder_of_dir_is_refused(tmp_path, how):
 def test_temporary_files_never_follow_a_link(tmp_path):
     """Names another account could put in a shared folder beforehand, as links to somebody's file or folder."""
     import os
+
     from cifar_wrn.checkpoint import check_writable, fresh_folder, save_atomic
+
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     ck.mkdir()
     (ck / f".write-test-{os.getpid()}").symlink_to(victim / "data")  # the names these files once had
@@ -272,10 +308,20 @@ def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_pa
     """From outside: a run that would save (and then remove "the previous checkpoint") or resume. `..` once
     raised IndexError on rank 0 alone, leaving the other rank waiting: 2 processes there, both stop."""
     from test_accel import CONFIGS, accelerate_launch
+
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     bad_latest(ck, victim, how)
-    common = [*data_flags(cifar_dir), "--model-width", 4, "--set", "eval_batch_size=64", "--epochs", 1,
-              "--checkpoint-dir", ck]
+    common = [
+        *data_flags(cifar_dir),
+        "--model-width",
+        4,
+        "--set",
+        "eval_batch_size=64",
+        "--epochs",
+        1,
+        "--checkpoint-dir",
+        ck,
+    ]
     if how == "..":
         result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *common, "--dist-timeout", 300)
     else:
@@ -289,6 +335,7 @@ def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_pa
 
 
 # ----------------------------------------------------------------------------- a part one rank cannot load
+
 
 def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path, resume_runs):
     """Any real 2-process checkpoint will do: a copy of conftest's resume_runs (raw_ddp.py after epoch 1), resumed
@@ -305,9 +352,14 @@ def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir,
 
 def fake_random_states(path, cuda: bool):
     import random
+
     import numpy as np
-    states = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
-              "torch_manual_seed": torch.get_rng_state()}
+
+    states = {
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
     torch.save({**states, **({"torch_cuda_manual_seed": [torch.zeros(16, dtype=torch.uint8)]} if cuda else {})}, path)
 
 
@@ -315,13 +367,18 @@ def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
     """A CPU checkpoint resumed on a GPU (or the reverse) once ended in a traceback from set_rng_state (raw) or
     silently skipped the random states (accel). No GPU is needed to see the message: it comes first."""
     from types import SimpleNamespace
+
     from cifar_wrn.checkpoint import restore_accel, restore_raw
+
     cpu_written = {"rng": [{"torch": torch.get_rng_state(), "cuda": None, "pipeline": None}]}
-    gpu_written = {"rng": [{"torch": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8),
-                            "pipeline": None}]}
+    gpu_written = {
+        "rng": [{"torch": torch.get_rng_state(), "cuda": torch.zeros(16, dtype=torch.uint8), "pipeline": None}]
+    }
     for checkpoint, saved, running in ((cpu_written, "cpu", "cuda"), (gpu_written, "cuda", "cpu")):
-        with pytest.raises(CheckpointError, match=f"written by a run on {saved}, this run is on {running}: its "
-                                                  f"random states.* do not carry over"):
+        with pytest.raises(
+            CheckpointError,
+            match=f"written by a run on {saved}, this run is on {running}: its random states.* do not carry over",
+        ):
             restore_raw(checkpoint, 0, torch.device(running), (None,) * 4, None)
     accelerator = SimpleNamespace(process_index=0)
     fake_random_states(tmp_path / "random_states_0.pkl", cuda=False)
@@ -341,9 +398,11 @@ BAD_INPUTS = {
     "label_smoothing": (["--set", "label_smoothing=1.5"], r"label_smoothing must be in \[0, 1\) \(got 1.5\)"),
     "momentum": (["--set", "momentum=2"], r"momentum must be in \[0, 1\) \(got 2.0\)"),
     "binary recipe": (["--recipe", "{binary}"], r"{binary}: not a text file \(byte 0 is not UTF-8\)"),
-    "warmup": (["--recipe", "fast", "--set", "warmup_epochs=3", "--epochs", "2"],
-               r"warmup_epochs 3 is longer than epochs 2: the learning rate would still be rising when training "
-               r"ends, at 67% of its peak"),
+    "warmup": (
+        ["--recipe", "fast", "--set", "warmup_epochs=3", "--epochs", "2"],
+        r"warmup_epochs 3 is longer than epochs 2: the learning rate would still be rising when training "
+        r"ends, at 67% of its peak",
+    ),
 }
 
 
@@ -359,9 +418,18 @@ def bad_input(tmp_path, case):
 def test_bad_inputs_are_refused_when_the_flags_are_read(tmp_path, monkeypatch, entry, case):
     """resolve() runs before raw_ddp.py spawns its ranks, and in accel_train.py before Accelerator() joins them."""
     import importlib
+
     from cifar_wrn.errors import UserError
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "ACCELERATE_MIXED_PRECISION"):
+
+    for key in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "ACCELERATE_MIXED_PRECISION",
+    ):
         monkeypatch.delenv(key, raising=False)
     module = importlib.import_module(entry)
     flags, message = bad_input(tmp_path, case)

@@ -1,8 +1,10 @@
 """docs/ddp_walkthrough.md stays true to the code: every `# R1.<n>` tag, test and recipe key it cites exists."""
+
 import re
 
-from cifar_wrn.recipe import FIELDS
 from conftest import REPO
+
+from cifar_wrn.recipe import FIELDS
 
 DOC = REPO / "docs" / "ddp_walkthrough.md"
 
