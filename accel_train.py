@@ -82,64 +82,12 @@ from cifar_wrn.data import (
 )
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
-from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.progress import EpochBar, validation_bar
-from cifar_wrn.recipe import as_dict, build_training, check_supported, slow_bf16_warning
+from cifar_wrn.recipe import as_dict, build_training, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
-
-# The recipe keys this trainer implements: all of cifar_wrn.recipe.Recipe's. A key added there later (an
-# optimisation raw_ddp.py may offer) must keep its default here: refused rather than silently trained without.
-SUPPORTED_RECIPE_KEYS = frozenset(
-    {
-        "epochs",
-        "target_accuracy",
-        "patience",
-        "batch_size",
-        "base_lr",
-        "lr_scaling",
-        "reference_batch_size",
-        "lr_schedule",
-        "warmup_epochs",
-        "anneal_epochs",
-        "residual_bn_init",
-        "momentum",
-        "nesterov",
-        "weight_decay",
-        "label_smoothing",
-        "precision",
-        "channels_last",
-        "cudnn_benchmark",
-        "data_pipeline",
-        "augment",
-        "num_workers",
-        "eval_batch_size",
-        "seed",
-        "grad_clip_norm",
-        "ema_decay",
-        "ddp_bucket_view",
-        "ddp_static_graph",
-        "grad_compression",
-        "sync_bn",
-        "compile",
-        "tta_flip",
-        "crop_padding",
-        "bn_lr_scale",
-        "tta_translate",
-        "bn_recalibration",
-        "muon",
-        "muon_lr",
-        "muon_momentum",
-        "bn_bias_lr_scale",
-        "freeze_bn_scale",
-        "lookahead_steps",
-        "lookahead_alpha",
-        "alternating_flip",
-        "extra_epochs",
-    }
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
@@ -318,7 +266,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
             return  # that run had already finished
         log = open_log(args, recipe, accelerator, data, raw_model, lr, progress)
-        guard, criterion = StepGuard(rank, world_size, device), with_test_faults(criterion, rank)  # faults.py: tests
+        guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
         for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
@@ -553,10 +501,6 @@ def check_launch(args) -> None:
     check_training_flags(args)  # cifar_wrn/cli.py; --resume without a checkpoint: resume(), where all ranks agree
 
 
-def check_recipe_supported(recipe) -> None:
-    check_supported(recipe, SUPPORTED_RECIPE_KEYS, "accel_train.py")  # cifar_wrn/recipe.py
-
-
 def run_process(args, recipe) -> None:
     """train_process, each failure reported by the rank it happened in (cifar_wrn/errors.py)."""
     rank = os.environ.get("RANK", "0")  # the launcher's numbering, the same as accelerator.process_index
@@ -566,7 +510,6 @@ def run_process(args, recipe) -> None:
 def resolve(args) -> tuple[argparse.Namespace, object]:
     """Read the recipe (flags and --set override it; so does bf16 from the launch config), check the flags."""
     recipe = recipe_from_args(args)
-    check_recipe_supported(recipe)
     # accelerate launch passes the config's mixed_precision (or --mixed_precision) in this variable; 'no' is
     # also its default, so only bf16 counts as a request. It overrides the recipe like a flag would.
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()

@@ -76,7 +76,6 @@ from cifar_wrn.data import (
 )
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
-from cifar_wrn.faults import with_test_faults
 from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.progress import EpochBar, validation_bar
@@ -119,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
         help="auto: CUDA when available, else CPU with a warning (default auto)",
     )
     add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
+    p.set_defaults(launcher_store=False)  # True once the launcher holds the store (__main__)
     return p.parse_args(argv)
 
 
@@ -147,15 +147,21 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
     import torch._dynamo as _  # noqa: F401
 
     # R1.3: join the process group (nccl on GPUs, gloo on CPUs): every rank connects to node 0's address and port.
-    init_method = "env://" if launched_by_torchrun() else f"tcp://{args.master_addr}:{args.master_port}"
+    timeout = timedelta(seconds=args.dist_timeout)  # finite: a lost peer ends the run
     try:
+        if launched_by_torchrun():
+            meet = dict(init_method="env://")
+        elif args.launcher_store:  # the launcher holds the store (__main__): each rank is a client of it
+            meet = dict(store=dist.TCPStore(args.master_addr, args.master_port, world_size, False, timeout=timeout))
+        else:
+            meet = dict(init_method=f"tcp://{args.master_addr}:{args.master_port}")
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
             rank=rank,
             world_size=world_size,  # R1.3
-            timeout=timedelta(seconds=args.dist_timeout),  # finite: a lost peer ends the run
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            **meet,
         )
     except dist.DistError as exc:  # timed out waiting for peers, or could not reach node 0
         where = f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
@@ -261,7 +267,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
             return  # that run had already finished
         log = open_log(args, recipe, rank, world_size, device, data, raw_model, lr, progress)
-        guard, criterion = StepGuard(rank, world_size, device), with_test_faults(criterion, rank)  # faults.py: tests
+        guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
         for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
@@ -558,15 +564,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, pass_on_stop)
     signal.signal(signal.SIGTERM, pass_on_stop)
     # R1.3: one node and no port given: this launcher holds the rendezvous store (the key-value store through which
-    # the ranks find each other) on a port the system picks, as torchrun's agent does. Held from now on, the port
-    # cannot be taken by another program in the seconds before rank 0 would have bound it; torch makes every rank
-    # a client of the store at MASTER_ADDR:MASTER_PORT when TORCHELASTIC_USE_AGENT_STORE says the launcher hosts it.
-    if args.master_port is None:
+    # the ranks find each other) on a port the system picks, as torchrun's agent does, so that no other program can
+    # take the port before the ranks meet there.
+    args.launcher_store = args.master_port is None
+    if args.launcher_store:
         store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)  # R1.3
         args.master_port = store.port
-        os.environ.update(
-            MASTER_ADDR=args.master_addr, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True"
-        )
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)

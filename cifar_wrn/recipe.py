@@ -230,16 +230,10 @@ def as_dict(recipe: Recipe) -> dict:
     return dataclasses.asdict(recipe)
 
 
-def slow_bf16_warning(device_type: str, precision: str, native: bool | None = None) -> str | None:
-    """The warning for bf16 autocast on a CPU whose oneDNN has no bfloat16 kernels (no AVX-512; `native`:
-    whether it has, found out when None). There every convolution falls back to a slow path: the real
-    model's training step ran 15 times slower than in fp32 on an AVX2-only CPU (docs/benchmarks.md,
-    "bf16 on a CPU without AVX-512"), so a student's CPU run of fast.yaml would crawl without a word."""
-    if device_type != "cpu" or precision != "bf16":
-        return None
-    if native is None:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if native:
+def slow_bf16_warning(device_type: str, precision: str) -> str | None:
+    """The warning for bf16 autocast on a CPU whose oneDNN has no bfloat16 kernels, where every convolution
+    takes a slow path (docs/benchmarks.md): without it a CPU run of fast.yaml would crawl without a word."""
+    if device_type != "cpu" or precision != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return (
         "warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each training "
@@ -356,18 +350,3 @@ def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size
     optimizer = build_optimizer(raw_model, recipe, lr)
     scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
     return lr, optimizer, scheduler, torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
-
-
-def check_supported(recipe: Recipe, supported: frozenset, trainer: str) -> None:
-    """Refuse a recipe that sets a key `trainer` does not implement (rather than train without it)."""
-    defaults = type(recipe)()
-    unsupported = [
-        f"{f.name}={getattr(recipe, f.name)!r}"
-        for f in fields(recipe)
-        if f.name not in supported and getattr(recipe, f.name) != getattr(defaults, f.name)
-    ]
-    if unsupported:
-        raise RecipeError(
-            f"recipe key(s) {', '.join(unsupported)} are not implemented by {trainer} (raw_ddp.py "
-            f"only); use a recipe that leaves them at their defaults"
-        )

@@ -18,7 +18,7 @@ per step, and every rank picks the next interval from the slowest one, so all ra
 """
 
 import signal
-import time
+from time import monotonic
 
 import torch
 
@@ -61,8 +61,8 @@ class StepGuard:
     whose steps, at the slowest rank's measured pace, take at most STOP_LATENCY seconds. A stop signal
     therefore waits at most about max(STOP_LATENCY, one step) before the ranks act on it."""
 
-    def __init__(self, rank: int, world_size: int, device, clock=time.monotonic):
-        self.rank, self.world_size, self.clock = rank, world_size, clock
+    def __init__(self, rank: int, world_size: int, device):
+        self.rank, self.world_size = rank, world_size
         self.flags = torch.zeros(1 + 2 * world_size, device=device)
         self.every = 1
         self.since = None  # (epoch, step, clock) at the end of the last agreement: where the next measurement starts
@@ -79,10 +79,10 @@ class StepGuard:
         flags = self.flags.clone()
         flags[0] = float(stop_requested())
         if self.since is not None and self.since[0] == epoch and step > self.since[1]:  # not across validation
-            flags[1 + self.world_size + self.rank] = (self.clock() - self.since[2]) / (step - self.since[1])
+            flags[1 + self.world_size + self.rank] = (monotonic() - self.since[2]) / (step - self.since[1])
         agreed = agree(flags)
         agreed = (flags if agreed is None else agreed).tolist()  # the same answer on every rank; waits for it
-        self.since = (epoch, step, self.clock())
+        self.since = (epoch, step, monotonic())
         seconds_per_step = max(agreed[1 + self.world_size :])
         if seconds_per_step > 0:
             self.every = next((n for n in INTERVALS if n * seconds_per_step <= STOP_LATENCY), 1)

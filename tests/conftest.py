@@ -245,6 +245,13 @@ def cpu_env(**extra) -> dict:
     return env
 
 
+def raise_in_rank_env(rank: int, env: dict) -> dict:
+    """`env` with tests/raise_in_rank/ first on PYTHONPATH: rank `rank` raises in its first loss computation.
+    The checkout comes next, so that the processes import its cifar_wrn, whatever pip installed."""
+    path = os.pathsep.join(filter(None, [str(TESTS / "raise_in_rank"), str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "RAISE_IN_RANK": str(rank)}
+
+
 def start(cmd, env=None, cwd=REPO) -> subprocess.Popen:
     """A new session, so that a timeout can kill the launcher and every rank it spawned (kill_all)."""
     return subprocess.Popen(
@@ -587,7 +594,7 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
 
 @pytest.fixture(scope="session")
 def rank_1_raises(cifar_dir) -> Result:
-    """raw_ddp.py, 2 processes, rank 1 raising in its first forward pass (cifar_wrn/faults.py): one run for
+    """raw_ddp.py, 2 processes, rank 1 raising in its first loss computation (tests/raise_in_rank/): one run for
     test_raw_ddp.py's test_worker_that_raises_is_named_with_traceback and test_reliability.py's
     test_rank_that_raises_ends_the_run_promptly, which launched it with the same flags. --dist-timeout 300: rank 0,
     were it left waiting, would wait that long, so each test's bound on the run's time tells. The timeout (240 s)
@@ -604,6 +611,6 @@ def rank_1_raises(cifar_dir) -> Result:
         VAL_IMAGES,
         "--dist-timeout",
         300,
-        env=cpu_env(CIFAR_WRN_TEST_RAISE_IN_RANK=1),
+        env=raise_in_rank_env(1, cpu_env()),
         timeout=240,
     )

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import run
+from conftest import raise_in_rank_env, run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ SCRIPT_KNOBS = {
     "LOCAL_RANK",
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
-    "CIFAR_WRN_TEST_RAISE_IN_RANK",
+    "RAISE_IN_RANK",
     "CHECKPOINT_DIR",
     "TMPDIR",
 }
@@ -617,7 +617,7 @@ def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
         "--gres=gpu:1",
         DATA_SRC=cifar_dir,
         EXTRA_ARGS=TINY + " --dist-timeout 600",
-        CIFAR_WRN_TEST_RAISE_IN_RANK=1,
+        **raise_in_rank_env(1, {}),
     )
     assert job.state == "FAILED" and job.exit_status != 0, job.describe()
     assert "injected test fault in rank 1" in job.output and "FAILED (exit status" in job.output, job.describe()
