@@ -1,4 +1,4 @@
-"""cifar_wrn/report.py: the scaling arithmetic against hand-computed values, report.md, figures, and the
+"""cifar_wrn/report/: the scaling arithmetic against hand-computed values, report.md, figures, and the
 report without matplotlib; bad input files end in one clear line and exit status 2."""
 
 import json
@@ -641,7 +641,7 @@ def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_pat
 
 
 def r1_tags(source) -> dict[str, list[int]]:
-    """The lines of each `# R1.<n>` step, read here independently of cifar_wrn/report.py: every R1.<n> in
+    """The lines of each `# R1.<n>` step, read here independently of cifar_wrn/report/: every R1.<n> in
     the comment that starts at a '# R1.' on the line."""
     tags = {}
     for number, line in enumerate(source.read_text().splitlines(), 1):
@@ -922,7 +922,7 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
 def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
     """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
     pytest.importorskip("fpdf")
-    from cifar_wrn import report_pdf
+    from cifar_wrn.report import pdf as report_pdf
 
     built = []
     build = report_pdf.build

@@ -5,8 +5,8 @@ run's epoch log exactly as rank 0 printed it, the Cumulative Time at which the c
 process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-against-time figure and the
 topology diagram, then the course's Demonstrate items 1-6 (the blocks report.md shows too). What only the
 student can write (every explanation) is a marked slot, or the student's own text from --notes. Everything
-else comes from the logs and the code: cifar_wrn/report.py computes it (its pdf_content) and passes it
-in, so this module only lays it out and imports nothing of report.py.
+else comes from the logs and the code: cifar_wrn/report/__init__.py computes it (its pdf_content) and passes it
+in, so this module only lays it out and imports nothing of the report package.
 
 fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
@@ -15,7 +15,7 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 MAX_PAGES = 4  # the course's limit
 INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"

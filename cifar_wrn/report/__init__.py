@@ -18,7 +18,7 @@ DIR/report.md with PNG figures next to it:
   before/after from the student's own logs (--compare BEFORE AFTER);
 - per run: the header facts, the process topology (text and diagram) and the epoch log as a table;
 - figures (matplotlib, the optional extra `plot`); without it the tables are still written;
-- with `--pdf FILE`, the same in at most 4 pages (cifar_wrn/report_pdf.py, fpdf2).
+- with `--pdf FILE`, the same in at most 4 pages (cifar_wrn/report/pdf.py, fpdf2).
 
 Every explanation the course asks for is a marked slot, `[you write: ...]`, or the student's own text from
 `--notes notes.yaml` (docs/report-example/notes.yaml shows the form). report.md holds nothing but what the
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from .errors import UserError
+from ..errors import UserError
 
 AMDAHL_GPUS = (2, 4, 8)  # the GPU counts Amdahl's law is asked about
 HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
@@ -241,7 +241,7 @@ def other_run(first: dict, later: dict) -> str | None:
     trainers' own rule for a resume (cifar_wrn/checkpoint.py resume_problem: the same world size, model,
     data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
     trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
-    from .checkpoint import resume_problem
+    from ..checkpoint import resume_problem
 
     data = ("train_images", "val_images", "steps_per_epoch")
     started = {
@@ -443,7 +443,7 @@ def scaling(runs: list[Run]) -> Scaling:
 def full_recipe(recipe: dict) -> dict:
     """A header's recipe with the keys it lacks at their defaults: a key newer than the trainer that wrote
     the log had its default then (new recipe keys default to the old behaviour)."""
-    from .recipe import Recipe, as_dict  # torch, a dependency of the project anyway
+    from ..recipe import Recipe, as_dict  # torch, a dependency of the project anyway
 
     return {**as_dict(Recipe()), **recipe}
 
@@ -731,7 +731,7 @@ def profile_section(runs: list[Run]) -> list[str]:
 
 # ============================================================================ the course's R3 report
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RAW_DDP = REPO / "raw_ddp.py"
 WALKTHROUGH = "docs/ddp_walkthrough.md"
 TAG = re.compile(r"#\s*(R1\.\d+\b.*)$")
@@ -1074,9 +1074,9 @@ def steps_table(notes: dict) -> tuple[list[str], list[list]]:
 
 
 def pdf_content(runs: list[Run], notes: dict, compare: list) -> SimpleNamespace:
-    """Every text and table the PDF shows, computed here so that report_pdf only lays them out (and
+    """Every text and table the PDF shows, computed here so that report/pdf.py only lays them out (and
     imports nothing of this module: no import circle)."""
-    from .runlog import git_commit
+    from ..runlog import git_commit
 
     run = main_run(runs)
     sc = scaling(runs)
@@ -1155,7 +1155,7 @@ def printed_lines(run: Run) -> list[str]:
     own functions, cifar_wrn/runlog.py), or none when the log ends before the run did."""
     from types import SimpleNamespace
 
-    from .runlog import Progress, epoch_line, final_line
+    from ..runlog import Progress, epoch_line, final_line
 
     lines = [epoch_line(e) for e in run.epochs]
     stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
@@ -1188,7 +1188,7 @@ def criterion_text(run: Run) -> str:
 def optimisations(run: Run) -> list[tuple[str, str, str]]:
     """(recipe key, baseline value, value used) for each key where the run's recipe differs from
     recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
-    from .recipe import as_dict, load_recipe
+    from ..recipe import as_dict, load_recipe
 
     baseline = as_dict(load_recipe("baseline"))
     used = full_recipe(run.recipe)
@@ -1589,7 +1589,7 @@ def main(argv=None) -> int:
         if args.caption and not args.pdf:
             raise UserError("--caption is for the PDF: give --pdf FILE too")
         if args.pdf:
-            from .report_pdf import MAX_PAGES, load_fpdf, write_pdf
+            from .pdf import MAX_PAGES, load_fpdf, write_pdf
 
             load_fpdf()  # before any work: without fpdf2, one line saying how to install it
         runs = [read_run(path) for path in args.logs]
