@@ -1,11 +1,7 @@
-"""Checkpoints that survive crashes: atomic writes, and the checks that make a resume safe.
+"""Checkpoint files: atomic writes and resume checks.
 
-Only file handling and comparisons live here; which rank writes, and the barrier after it, are in
-the entry points.
-
-Checkpoints are read as data only (torch.load with weights_only=True: tensors, containers, numbers).
-The folder usually sits on shared storage that other accounts can write to, and a full unpickler would
-run whatever code a file put there asks for, in every rank of every requeued job.
+Loaded with weights_only=True: the folder may be writable by others, and a full unpickler runs any code
+a file asks for.
 """
 
 import contextlib
@@ -24,9 +20,7 @@ from .errors import RunStopped, UserError, agreed_problem
 from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
-# Recipe keys that may change between a run and its resume: they do not change what was trained so
-# far. `epochs` may grow only when the LR schedule does not depend on it; extra_epochs (the safety net) only
-# decides what happens after the budget, so a checkpoint written before fast.yaml turned it on resumes with it.
+# Recipe keys a resume may change: they do not alter what was trained (`epochs` only with a constant LR).
 RESUMABLE_CHANGES = {"epochs", "target_accuracy", "patience", "eval_batch_size", "num_workers", "extra_epochs"}
 
 
@@ -39,11 +33,10 @@ def checkpoint_path(directory) -> Path:
 
 
 def check_writable(directory) -> None:
-    """Create the folder if needed and prove that a file can be written there, before any training."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{secrets.token_hex(6)}"  # a name nobody could have put there first
+        probe = directory / f".write-test-{secrets.token_hex(6)}"
         os.close(_create_new(probe))
         probe.unlink()
     except OSError as exc:
@@ -51,35 +44,32 @@ def check_writable(directory) -> None:
 
 
 def _create_new(path) -> int:
-    """A new file's descriptor. The folder may be writable by other accounts: a file or a symbolic link
-    already at `path` (say, one pointing at somebody's data) is an error, never opened or followed."""
+    """Open a new file; an existing file or symlink at `path` is an error, never followed."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
 def _remove(path) -> None:
-    """Remove the file, link or folder at `path` itself: a symbolic link goes, never what it points to."""
+    """Remove `path` itself, never a symlink's target."""
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
-        shutil.rmtree(path)  # does not follow links inside the folder either
+        shutil.rmtree(path)
 
 
 def _fsync_folder(directory) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)  # a rename in it reaches the disk
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def why(exc: BaseException) -> str:
-    """One line saying why a read or write failed, whatever raised it. A full disk shows up as torch's
-    RuntimeError ("unexpected pos") raised while the OSError is handled, or as safetensors' SafetensorError
-    ending in "(os error 28)": the OS's own words are the clearest, so they are looked for first."""
+    """One line saying why a read or write failed, in the OS's words where there are any."""
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
-    quoted = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors (Rust): "... (os error 28)"
+    quoted = re.search(r"\(os error (\d+)\)", str(exc))
     if quoted:
         return os.strerror(int(quoted.group(1)))
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -87,8 +77,7 @@ def why(exc: BaseException) -> str:
 
 
 def failure(action, *args) -> str | None:
-    """None if action(*args) succeeded, else why it failed, in one line (a CheckpointError's own message).
-    The entry point all-gathers every rank's answer, so that all go on or all stop together."""
+    """None if action(*args) succeeded, else why it failed, in one line."""
     try:
         action(*args)
     except CheckpointError as exc:
@@ -99,9 +88,7 @@ def failure(action, *args) -> str | None:
 
 
 def stop_unless_written(problems: list, directory, leftover=None) -> None:
-    """After the entry point's all-gather of each rank's failure() with a step of writing a checkpoint:
-    every rank raises the same RunStopped (rank 0 prints one line) if any rank failed; `leftover` (rank 0
-    passes it) is a half-written folder, removed so that it does not hold on to the disk space."""
+    """Raise RunStopped on every rank if any rank's write failed, removing `leftover`."""
     problem = agreed_problem(problems)
     if problem:
         if leftover:
@@ -114,14 +101,9 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
 
 
 def save_atomic(state: dict, path) -> None:
-    """Write to a new temporary file in the same folder, fsync it, then os.replace it over `path`.
-
-    A crash or a full disk at any moment leaves either the old checkpoint or the new one, never a
-    torn file. Any failure (a full disk surfaces from torch.save as a RuntimeError) is a CheckpointError
-    naming the file; the temporary file is removed. os.replace replaces a link at `path`, never its target.
-    """
+    """Write `path` via a fsynced temporary file and os.replace, so a crash never leaves a torn file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")  # not guessable in advance
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     created = False
     try:
         with open(_create_new(tmp), "wb") as f:
@@ -138,7 +120,6 @@ def save_atomic(state: dict, path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-# What every checkpoint of either entry point holds besides the weights; checked before anything uses it.
 COMMON_KEYS = (
     "epoch",
     "step",
@@ -163,16 +144,16 @@ def _not_ours(path, why: str) -> str:
 
 
 def _refusal(exc: Exception) -> str:
-    """The reason inside torch's weights_only refusal, without its advice to load with weights_only=False."""
+    """torch's refusal, minus its advice to load with weights_only=False."""
     text = str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)
     return "refused by weights-only loading: " + text.splitlines()[0].split(" was not an allowed global")[0]
 
 
 def load_data_only(path, required: tuple = ()) -> dict:
-    """A checkpoint file as a dict, read as data only; `required`: keys it must have."""
+    """`path` as a dict, read as data only, with the `required` keys."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:  # what weights_only refuses
+    except pickle.UnpicklingError as exc:
         raise CheckpointError(_not_ours(path, _refusal(exc))) from None
     except Exception as exc:
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
@@ -194,33 +175,19 @@ def load_checkpoint(directory) -> dict:
     return load_data_only(path, RAW_KEYS)
 
 
-# ----------------------------------------------------------------------------- accel_train.py's folders
-# accelerator.save_state writes the model (safetensors), optimizer, scheduler and each rank's random state;
-# load_state reads them as data (safetensors; torch.load with weights_only=True). The rest of the checkpoint
-# (where the run is, what it measured, who wrote it, the EMA weights) is one plain dict in TRAINING_STATE,
-# written and read here. It does not go through register_for_checkpointing: load_state unpickles those
-# objects' files (custom_checkpoint_N.pkl) with weights_only=False whatever it is told, so a crafted one
-# would run code. Checkpoints written before held the same dicts there, index 0 the run, 1 the EMA (if any).
+# accel_train.py: DIR/state-<n>/ (save_state and TRAINING_STATE), named by DIR/LATEST. TRAINING_STATE is not
+# registered for checkpointing: load_state unpickles those files with weights_only=False.
 TRAINING_STATE = "training_state.pt"
-
-# An accel_train.py checkpoint is a folder written by accelerator.save_state (model, optimizer, scheduler,
-# every rank's random state) and TRAINING_STATE (above), plus DIR/LATEST, a one-line file naming the folder.
-# save_state writes into DIR/.incomplete; only when every rank has finished is it renamed to state-<n> and
-# LATEST replaced (os.replace, atomic), so a failed or interrupted write leaves the previous checkpoint in force.
 LATEST = "LATEST"
-
-
-STATE_FOLDER = re.compile(r"state-(\d+)")  # the only names LATEST may hold
+STATE_FOLDER = re.compile(r"state-(\d+)")
 
 
 def latest_checkpoint(directory) -> str | None:
-    """The folder of DIR's newest complete checkpoint, or None. LATEST lies in a folder other accounts may
-    write to, so what it names is checked: a state-<n> folder directly in DIR, not a symbolic link. Anything
-    else (a path, `..`, a link leading elsewhere) is a CheckpointError naming LATEST: a folder outside DIR
-    is never read, written or removed."""
+    """DIR's newest checkpoint folder or None; LATEST may be written by others, so it must name a
+    state-<n> folder in DIR, not a link."""
     pointer = os.path.join(directory, LATEST)
     try:
-        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # not a link; a FIFO must not block
+        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -242,12 +209,12 @@ def latest_checkpoint(directory) -> str | None:
 
 
 def publish_checkpoint(directory, incomplete: str) -> str:
-    """Main process: turn the finished folder `incomplete` into DIR's checkpoint, atomically; drop the old one."""
-    previous = latest_checkpoint(directory)  # checked: a state-<n> folder of DIR, or None
+    """Make the finished folder `incomplete` DIR's checkpoint atomically (via LATEST), then drop the old one."""
+    previous = latest_checkpoint(directory)
     number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
     folder = os.path.join(directory, f"state-{number}")
-    _remove(folder)  # a leftover of a run that died between the rename and the switch
-    for name in os.listdir(incomplete):  # save_state does not fsync: make every rank's files durable first
+    _remove(folder)  # left by a run that died before the switch
+    for name in os.listdir(incomplete):  # save_state does not fsync
         fd = os.open(os.path.join(incomplete, name), os.O_RDONLY | os.O_NOFOLLOW)
         try:
             os.fsync(fd)
@@ -260,18 +227,16 @@ def publish_checkpoint(directory, incomplete: str) -> str:
             f.write(os.path.basename(folder) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, LATEST))  # the switch: before it the old checkpoint, after it the new
+        os.replace(tmp, os.path.join(directory, LATEST))
     finally:
-        failure(os.unlink, tmp)  # (gone after the switch)
+        failure(os.unlink, tmp)
     _fsync_folder(directory)
     if previous:
-        failure(_remove, previous)  # the new checkpoint is in force whatever happens here
+        failure(_remove, previous)  # the new checkpoint is in force already
     return folder
 
 
 def fresh_folder(folder) -> None:
-    """Main process, before every rank writes into `folder` (DIR/.incomplete): remove a leftover of a failed
-    write (a link itself, not its target), then make it anew (mkdir does not follow a link put there)."""
     _remove(folder)
     os.mkdir(folder)
 
@@ -279,23 +244,15 @@ def fresh_folder(folder) -> None:
 CUSTOM_FILE = re.compile(r"custom_checkpoint_\d+\.pkl")
 
 
-def save_training_state(folder, state: dict) -> None:
-    torch.save(state, Path(folder) / TRAINING_STATE)
-
-
 def write_folder(save_state, folder, state: dict | None) -> None:
-    """One rank's part of an accel_train.py checkpoint: accelerator.save_state(folder) (passed in: every rank
-    writes its random state, the main one the rest) and, on the main process (state given), TRAINING_STATE.
-    (Run through failure(): whatever save_state raises on a full disk, SafetensorError or RuntimeError, is
-    caught there; the previous checkpoint is untouched.)"""
+    """One rank's part of an accel_train.py checkpoint; TRAINING_STATE from the main process (`state` given)."""
     save_state(folder)
     if state is not None:
-        save_training_state(folder, state)
+        torch.save(state, Path(folder) / TRAINING_STATE)
 
 
 def read_training_state(folder) -> dict:
-    """TRAINING_STATE of an accel_train.py checkpoint folder, or the same from an older folder's
-    custom_checkpoint_0/1.pkl, read as data only. state["ema"] is the EMA's state_dict or None."""
+    """A folder's TRAINING_STATE (older folders: custom_checkpoint_0/1.pkl), read as data only."""
     folder = Path(folder)
     legacy = folder / "custom_checkpoint_0.pkl"
     if (folder / TRAINING_STATE).is_file() or not legacy.is_file():
@@ -306,8 +263,7 @@ def read_training_state(folder) -> dict:
 
 @contextlib.contextmanager
 def _without_custom_files(folder: Path):
-    """`folder`, or, if it holds custom_checkpoint_N.pkl files (an older checkpoint), a temporary folder of
-    links to everything else: with no objects registered, load_state refuses a folder that has them."""
+    """`folder` without its custom_checkpoint_N.pkl, which load_state refuses when nothing is registered."""
     names = os.listdir(folder)
     if not any(CUSTOM_FILE.fullmatch(name) for name in names):
         yield folder
@@ -320,8 +276,7 @@ def _without_custom_files(folder: Path):
 
 
 def device_problem(saved_on: str, running_on: str) -> str | None:
-    """A checkpoint's random states belong to the device type that wrote them (a CUDA generator's state is not
-    a CPU one's), and the arithmetic differs anyway: say so, rather than fail inside set_rng_state."""
+    """Why random states from one device type cannot resume on another, or None."""
     if saved_on == running_on:
         return None
     return (
@@ -331,7 +286,6 @@ def device_problem(saved_on: str, running_on: str) -> str | None:
 
 
 def _loading(where, action) -> None:
-    """action(), every failure a CheckpointError saying that `where` was found but cannot be loaded."""
     try:
         action()
     except CheckpointError:
@@ -343,9 +297,7 @@ def _loading(where, action) -> None:
 
 
 def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) -> None:
-    """raw_ddp.py: `checkpoint` (from read_for_resume) into this rank's (raw_model, eval_model, optimizer,
-    scheduler) and random streams (generator: the device pipeline's, or None). Run through failure() before
-    the ranks agree, so that a rank whose part cannot be loaded stops every rank."""
+    """raw_ddp.py: this rank's objects and random streams from `checkpoint`."""
     raw_model, eval_model, optimizer, scheduler = objects
 
     def load():
@@ -371,12 +323,9 @@ RANDOM_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 
 
 def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator) -> None:
-    """accel_train.py: accelerator.load_state(folder) (accel_train.py registers no objects), as data only, then
-    the EMA (or None) and the device pipeline's generator (or None) from `state` (its TRAINING_STATE). Run
-    through failure() before the ranks agree, like restore_raw. This process's random-state file is read
-    and checked first: load_state only logs one it cannot read (or one without the CUDA state) and goes on,
-    and the resume would silently not be exact."""
-    from accelerate.utils import load as accelerate_load  # torch.load, weights_only, numpy's RNG types allowed
+    """accel_train.py: load_state(folder), the EMA and the generator. The random-state file is checked first:
+    load_state would only log a bad one and resume inexactly."""
+    from accelerate.utils import load as accelerate_load  # allows numpy's RNG types
 
     folder = Path(folder)
     path = folder / f"random_states_{accelerator.process_index}.pkl"
@@ -387,7 +336,7 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
             raise CheckpointError(f"{path} is missing (each rank resumes its own random streams from its file)")
         if not isinstance(rng, dict) or any(key not in rng for key in RANDOM_STATE_KEYS):
             raise CheckpointError(_not_ours(path, "it is not a random state"))
-        # (a folder written before "device" was kept: one without the CUDA state was written without CUDA)
+        # older folders lack "device": no CUDA state means written without CUDA
         problem = device_problem(
             state.get("device", device_type if "torch_cuda_manual_seed" in rng else "cpu"), device_type
         )
@@ -404,8 +353,7 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
 
 
 def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]:
-    """(the checkpoint or None, None) or (None, why it cannot be read). Each rank reads the file itself;
-    the entry point then gathers what every rank saw (resume_disagreement) before anyone trains."""
+    """(checkpoint or None, None) or (None, why it cannot be read)."""
     if not required and not checkpoint_path(directory).is_file():
         return None, None
     try:
@@ -415,10 +363,8 @@ def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]
 
 
 def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict | None, str | None]:
-    """accel_train.py's read_for_resume: (DIR's newest folder or None, its TRAINING_STATE or None, None or
-    why it cannot be read). `--resume` without a checkpoint is a problem like any other, found after the
-    process group has formed, so that every node stops together (not one at once, the others after
-    --dist-timeout in the rendezvous)."""
+    """(newest folder, its TRAINING_STATE, problem), each possibly None. A missing --resume checkpoint is a
+    problem found after the group formed, so that every node stops together."""
     folder = None
     try:
         folder = latest_checkpoint(directory)
@@ -440,21 +386,15 @@ def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict |
 
 
 def what_was_seen(state: dict | None) -> str:
-    """What one rank found in the checkpoint folder, in words that also identify the checkpoint."""
     if state is None:
         return "no checkpoint"
     return f"epoch {state['epoch']}, step {state['step']} (Cumulative Time {state['cumulative_time']!r} s)"
 
 
 def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
-    """seen[rank] = (what_was_seen, that rank's own problem with resuming or None), from an all-gather.
-
-    Any rank's problem (a file it found but cannot read, a recipe that differs) is reported first, as
-    such. Then rank 0's view decides, and every rank must share it: when one node finds a checkpoint and
-    another none (an unshared or stale folder), resuming some ranks and starting others from scratch would
-    train a mixed run. The same list on every rank gives the same answer on every rank."""
+    """Any rank's resume problem, else ranks seeing different checkpoints (a mixed run), else None."""
     problem = agreed_problem([problem for _, problem in seen])
-    if problem:  # first: a rank that found a checkpoint it cannot read says so, it does not "see no checkpoint"
+    if problem:
         return problem
     views = [view for view, _ in seen]
     if any(view != views[0] for view in views):
@@ -469,12 +409,7 @@ def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
 def resume_problem(
     checkpoint: dict, recipe: dict, world_size: int, model_width: int, data: dict | None = None
 ) -> str | None:
-    """Why this checkpoint cannot continue as this run, or None. Never train something else silently.
-
-    `data`: this run's train_images, val_images and steps_per_epoch (checked after the world size, which
-    also changes the steps per epoch). A different epoch length would make the LR schedule and a
-    mid-epoch resume's skip count refer to another epoch. (Checkpoints written before these were stored
-    do not have them and are not checked.)"""
+    """Why this checkpoint cannot continue as this run, or None; `data` is checked where the checkpoint has it."""
     if checkpoint["world_size"] != world_size:
         return (
             f"the checkpoint was written by {checkpoint['world_size']} processes, this run has {world_size}: "
@@ -490,7 +425,7 @@ def resume_problem(
                 f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
                 f"resume with the same data ({flag}) and batch size"
             )
-    # A key newer than the checkpoint had its default when the checkpoint was written.
+    # keys newer than the checkpoint: it had their defaults
     defaults = as_dict(Recipe())
     old = {**{k: defaults[k] for k in recipe if k in defaults}, **checkpoint["recipe"]}
     allowed = RESUMABLE_CHANGES - ({"epochs"} if old["lr_schedule"] != "constant" else set())

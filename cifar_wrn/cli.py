@@ -1,8 +1,4 @@
-"""The command-line flags both entry points share (data, recipe, outputs, checkpoints, profiling).
-
-Launch flags differ between the two and stay in each entry point: raw_ddp.py has --num-nodes,
---node-id, --num-gpus and the rendezvous (R1.1); accel_train.py leaves them to `accelerate launch`.
-"""
+"""Command-line flags both entry points share, and what the launcher says."""
 
 import argparse
 import os
@@ -14,7 +10,6 @@ from .errors import UserError
 from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set
 
-# Flags that are recipe keys: given on the command line they override the recipe file.
 RECIPE_FLAGS = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience", "seed")
 
 
@@ -76,15 +71,14 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:
-    """The recipe file, then --set KEY=VALUE, then the dedicated flags (--epochs, ...), validated."""
+    """The recipe file, then --set, then the dedicated flags, validated."""
     overrides = parse_set(args.set)
     overrides.update({flag: getattr(args, flag) for flag in RECIPE_FLAGS if getattr(args, flag) is not None})
     return load_recipe(args.recipe, overrides)
 
 
 def show_progress(args: argparse.Namespace, is_main: bool) -> bool:
-    """Whether this process draws progress bars (cifar_wrn/progress.py): the main process only, and with
-    --progress auto only when stderr is a terminal (not a Slurm output file, a CI log or a pipe)."""
+    """Whether to draw progress bars: main process only; with --progress auto, only on a terminal."""
     mode = getattr(args, "progress", "auto")
     if not is_main or mode == "off":
         return False
@@ -92,13 +86,12 @@ def show_progress(args: argparse.Namespace, is_main: bool) -> bool:
         return True
     try:
         return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
+    except (AttributeError, ValueError):
         return False
 
 
 def check_training_flags(args: argparse.Namespace, writes_outputs: bool = True) -> None:
-    """The checks of the shared flags that need no process group, as one clear UserError.
-    `writes_outputs`: this process writes --save and --log-json (node 0's launcher)."""
+    """The flag checks that need no process group; `writes_outputs`: this process writes --save, --log-json."""
     for flag in ("epochs", "batch_size", "train_subset", "val_subset", "model_width"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -138,17 +131,14 @@ def port_is_free(port: int) -> bool:
 
 
 def port_from_env() -> int | None:
-    """$MASTER_PORT as a number, the default of --master-port; None when unset."""
     return int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() else None
 
 
-# ----------------------------------------------------------------------------- what the launcher says
-# Where launchers put the number of processes they started (torchrun / accelerate launch, then MPI).
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def launcher_world_size() -> int | None:
-    """How many processes the launcher started in all, from its environment (None: no launcher said)."""
+    """Processes the launcher started in all, or None."""
     for key in WORLD_SIZE_VARS:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
@@ -156,12 +146,11 @@ def launcher_world_size() -> int | None:
 
 
 def local_world_size(default: int) -> int:
-    """Processes on this node, as the launcher says (LOCAL_WORLD_SIZE), else `default`."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
 def launcher_name() -> str:
-    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # set by accelerate launch only (it runs torchrun inside)
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # first: accelerate launch runs torchrun inside
         return "accelerate launch"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return "torchrun"
@@ -169,8 +158,7 @@ def launcher_name() -> str:
 
 
 def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
-    """Why Accelerate did not join the processes the launch started (each would train alone), or None.
-    `seen`: the processes Accelerate counts; the rest describe its state, for the message."""
+    """Why Accelerate did not join the processes the launch started (each would train alone), or None."""
     started = launcher_world_size()
     if started is not None and started != seen:
         return (
@@ -180,8 +168,7 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
             f"set ACCELERATE_USE_CPU=1 (`use_cpu: true` in the config file does not reach the processes of a "
             f"MULTI_GPU launch). See docs/accelerate.md, CPU traps."
         )
-    # accelerate launch's single-process launcher (distributed_type NO or MULTI_CPU, or --cpu) sets MASTER_PORT
-    # only when it was asked for more than one process; it then starts one process all the same.
+    # accelerate launch's single-process launcher sets MASTER_PORT only when asked for several processes.
     if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):
         return (
             "accelerate launch was asked for several processes but started only this one: `accelerate launch "

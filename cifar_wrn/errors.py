@@ -1,35 +1,26 @@
-"""The exceptions the entry points turn into a plain message (no traceback) and an exit status.
+"""Exceptions the entry points print as one message with an exit status.
 
-The ground floor of cifar_wrn/: it imports no other module of the package (tests/test_imports.py checks
-that no module imports one that imports it back). What must happen before an error is printed (progress.py
-erases its bars) registers itself with before_report instead of being imported here.
+Imports nothing from cifar_wrn; what must run before an error is printed registers with before_report.
 """
 
 import sys
 import traceback
 
-_before_report: list = []  # callables, run before run_reporting_failures prints anything
+_before_report: list = []
 
 
 def before_report(hook):
-    """Register hook() to run before an error message is printed (usable as a decorator)."""
+    """Register hook() to run before an error is printed (a decorator)."""
     _before_report.append(hook)
     return hook
 
 
 class UserError(Exception):
-    """Something the user can fix: bad input, missing data, a process group that did not form.
-
-    Entry points catch it, print `error: <message>` and exit with status 2. Everything else is a
-    bug or a crash and is reported with its traceback.
-    """
+    """Something the user can fix: printed as `error: <message>`, exit status 2."""
 
 
 class AgreedError(UserError):
-    """A problem every rank finds alike (an all-gather of every rank's answer, see agreed_problem, or a fact of
-    the launch every rank reads the same): every rank raises it and stops, and one process per node prints it
-    (`shown`), so that it is read once per node instead of once per rank. `note`: what only the printing
-    process knows (why its download failed, say)."""
+    """A problem every rank finds alike; only the `shown` process (one per node) prints it."""
 
     def __init__(self, message: str, shown: bool, note: str | None = None):
         super().__init__(f"{message} (this node: {note})" if note and shown else message)
@@ -37,7 +28,7 @@ class AgreedError(UserError):
 
 
 class RunStopped(Exception):
-    """Every rank stops together at the same step; rank 0 prints why; all exit with `status`."""
+    """Every rank stops at the same step; rank 0 prints why; all exit with `status`."""
 
     def __init__(self, message: str, status: int):
         super().__init__(message)
@@ -45,9 +36,7 @@ class RunStopped(Exception):
 
 
 def agreed_problem(problems: list) -> str | None:
-    """One message from every rank's answer to "can you go on?" (None = yes), collected by an all-gather
-    in the entry point. Every rank holds the same list, so every rank takes the same decision: all go on,
-    or all stop within seconds, instead of some waiting for the others until the collective times out."""
+    """One message from every rank's all-gathered problem (or None), the same on every rank."""
     by_message: dict[str, list[int]] = {}
     for rank, problem in enumerate(problems):
         if problem:
@@ -60,23 +49,19 @@ def agreed_problem(problems: list) -> str | None:
     )
 
 
-# What gloo and NCCL say when the process at the other end of a connection has gone away.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
 def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
-    """train(), with every failure reported by the rank it happened in, so nothing is lost whichever
-    failed rank the launcher notices first: RunStopped by rank 0 (all ranks stop together), a UserError
-    as one line (exit status 2), a broken collective as "lost contact" (a peer probably failed), anything
-    else with the rank number and its traceback (exit status 1)."""
+    """train(), any failure reported by the rank where it happened, and its exit status."""
     try:
         try:
             train()
         finally:
-            for hook in _before_report:  # progress.close_all: a half-drawn bar must not swallow the message
+            for hook in _before_report:
                 hook()
     except RunStopped as exc:
-        if str(rank) == "0":  # 1 and 2 are failures (2: one the user can fix); 75, a preemption, is not
+        if str(rank) == "0":  # 75, a preemption, is no error
             print(f"{'error: ' if exc.status in (1, 2) else ''}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.status)
     except UserError as exc:
@@ -97,7 +82,7 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
 
 
 def group_not_formed(who: str, where: str, world_size, timeout: float, exc: Exception, hint: str) -> UserError:
-    """The error every rank reports when init_process_group times out or cannot reach node 0."""
+    """The error when init_process_group times out or cannot reach node 0."""
     first = str(exc).splitlines()[0] if str(exc) else ""
     return UserError(
         f"{who}the process group did not form at {where} with world size {world_size} within "

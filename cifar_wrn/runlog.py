@@ -1,4 +1,4 @@
-"""What a run writes: the course-style epoch line and a JSON-lines log (header, then one object per epoch)."""
+"""The course-style epoch line and the JSON-lines log (a header, then one object per epoch)."""
 
 import dataclasses
 import json
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """The commit the code came from, with '-dirty' when the working tree has changes."""
+    """The code's commit, with '-dirty' for local changes."""
     try:
         run = lambda *cmd: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=10)
         head = run("git", "rev-parse", "--verify", "HEAD")
@@ -30,8 +30,7 @@ def git_commit() -> str:
 
 
 def epoch_line(m: dict) -> str:
-    """The course's epoch line; on its own line after it, the safety net's note when it fired at this epoch
-    (Progress.end_epoch), so that a parser of the course lines sees them unchanged."""
+    """The course's epoch line, then the safety net's note on a line of its own."""
     line = (
         f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
         f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
@@ -49,14 +48,14 @@ def epoch_line(m: dict) -> str:
 
 @dataclass
 class Progress:
-    """Where a run stands: what a checkpoint stores besides the weights (under these same keys)."""
+    """Where a run stands: what a checkpoint stores besides the weights, under the same keys."""
 
-    epoch: int = 0  # the epoch to run next (0-based) ...
-    step: int = 0  # ... and how many of its steps are already done (a mid-epoch checkpoint)
-    epoch_time_so_far: float = 0.0  # training seconds of those steps
-    cumulative_time: float = 0.0  # training seconds of every finished epoch (validation excluded)
-    history: list = field(default_factory=list)  # each finished epoch's metrics
-    streak: int = 0  # consecutive epochs at or above the target accuracy
+    epoch: int = 0  # next to run, 0-based
+    step: int = 0  # of that epoch, already done
+    epoch_time_so_far: float = 0.0
+    cumulative_time: float = 0.0  # validation excluded
+    history: list = field(default_factory=list)
+    streak: int = 0  # consecutive epochs at the target
 
     @classmethod
     def of(cls, checkpoint: dict) -> "Progress":
@@ -66,14 +65,11 @@ class Progress:
         return dataclasses.asdict(self)
 
     def mid_epoch(self, steps_done: int, seconds: float) -> "Progress":
-        """The position after `steps_done` steps of the current epoch (for a checkpoint on a stop signal)."""
         return dataclasses.replace(self, step=steps_done, epoch_time_so_far=seconds)
 
     def end_epoch(self, metrics: dict, recipe) -> bool:
-        """Record a finished epoch; True when the target was met `patience` epochs in a row. Every rank
-        holds the same all-reduced accuracy, so every rank takes the same decision. Marks `metrics` (before
-        they are printed and logged) when the safety net fires at the budget's end ("safety_net") and in
-        each epoch it adds ("extra_epoch": 1, 2, ...)."""
+        """Record a finished epoch; True when the target was met `patience` epochs in a row.
+        Marks the safety net's epochs in `metrics`."""
         self.history.append(metrics)
         self.streak = self.streak + 1 if metrics["val_accuracy"] >= recipe.target_accuracy else 0
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
@@ -90,22 +86,18 @@ class Progress:
         return done
 
     def safety_net_open(self, recipe) -> bool:
-        """After the budget (`epochs`): can the target still be met `patience` epochs in a row within the
-        extra_epochs left? The rule needs nothing but the epoch and the streak, so a resumed run decides alike."""
+        """Can the target still be met `patience` epochs in a row within the extra epochs left?"""
         left = recipe.epochs + recipe.extra_epochs - self.epoch
         return left > 0 and self.streak + left >= recipe.patience
 
     def epochs(self, recipe):
-        """The epochs (0-based) the loop runs from here: the rest of the budget, then the safety net's while
-        it is open. Reads `epoch` afresh each time, after the loop's end_epoch has moved it on."""
+        """The epochs left: the budget's, then the safety net's while it is open."""
         while self.epoch < recipe.epochs or self.safety_net_open(recipe):
             yield self.epoch
 
 
 def final_line(progress: Progress, recipe, stopped_early: bool) -> str:
-    """Rank 0's last line: the target met `patience` epochs in a row, or not within the budget (and the
-    safety net's epochs, if it fired)."""
-    extra = min(progress.epoch - recipe.epochs, recipe.extra_epochs)  # > 0: the safety net added epochs
+    extra = min(progress.epoch - recipe.epochs, recipe.extra_epochs)
     if stopped_early:
         note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
         return f"Early stopping after epoch {progress.epoch}{note}"
@@ -127,12 +119,11 @@ def run_header(**fields) -> dict:
 
 
 def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
-    """Where rank 0 writes the JSON log: --log-json, else a new folder $RUNS_DIR/<prefix><recipe>-<layout>-<time>/
-    (RUNS_DIR defaults to runs). Not beside the checkpoints: a full checkpoint disk must not stop the log."""
+    """--log-json, else a new folder under $RUNS_DIR (runs): not beside the checkpoints, whose disk may fill."""
     if log_json:
         return log_json
     name = f"{prefix}{Path(recipe_name).stem}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
-    for n in range(1, 100):  # two runs started in the same second get folders of their own
+    for n in range(1, 100):  # runs started in the same second
         folder = Path(os.environ.get("RUNS_DIR") or "runs", name if n == 1 else f"{name}-{n}")
         try:
             folder.mkdir(parents=True)
@@ -145,9 +136,7 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
 def open_run_log(
     path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
 ) -> "JsonLog":
-    """Rank 0's JSON-lines log (path None on the other ranks; appended to after a resume), opened with its
-    header: how the run was launched (`launch`), its data, model, learning rate and resolved recipe,
-    the git commit and torch version."""
+    """Rank 0's JSON log (path None elsewhere; appended to on resume), opened with its header."""
     from .model import COURSE_WIDTH, count_parameters
 
     log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
@@ -197,7 +186,7 @@ def read_log(path) -> tuple[dict, list[dict]]:
     """(header, epoch records) of a JSON-lines log."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     header = next((r for r in records if r.get("kind") == "header"), {})
-    epochs = {}  # a resumed run appends: a repeated epoch number is the later (resumed) record
+    epochs = {}  # a resumed run appends: the later record of an epoch wins
     for r in records:
         if r.get("kind") == "epoch":
             epochs[r["epoch"]] = r
