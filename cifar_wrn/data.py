@@ -1,13 +1,6 @@
-"""CIFAR-10 for the trainers: find or download it, load and validate it, augment it, evaluate exactly.
+"""CIFAR-10: find or download, load and validate, augment, evaluate exactly.
 
-Nothing here touches torch.distributed: the entry points decide which process downloads and where
-the barrier goes; this module only does the work.
-
-The data is read from `<data_dir>/cifar-10-batches-py/` (the official python layout: pickled
-dicts with `data` uint8 [N, 3072], rows CHW-planar, and `labels`) with pickle directly, so any
-copy in that layout loads, including re-encoded copies (a JPEG re-encoding, say) whose bytes differ from the
-official release (torchvision.datasets.CIFAR10 would refuse it on its md5 check). The unpickler is restricted
-to what those files contain (BatchUnpickler): a file on shared storage cannot run code in the trainers.
+Read with a restricted unpickler, not torchvision: re-encoded copies (other md5) load, crafted files run no code.
 """
 
 import functools
@@ -22,8 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .errors import UserError
 
-# The official archive. CIFAR10_URL in the environment points at a mirror of the same file
-# (a course server, say); the md5 check still applies.
+# CIFAR10_URL in the environment may name a mirror; the md5 check still applies.
 OFFICIAL_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 OFFICIAL_MD5 = "c58f30108f718f92721af3b95e74349a"
 FOLDER = "cifar-10-batches-py"
@@ -32,7 +24,6 @@ VAL_FILES = ["test_batch"]
 TRAIN_SIZE, VAL_SIZE = 50_000, 10_000
 NUM_CLASSES = 10
 
-# Standard CIFAR-10 channel statistics of images scaled to [0, 1].
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 
@@ -60,27 +51,23 @@ def how_to_provide(data_dir) -> str:
 
 
 def download_cifar10(data_dir) -> str | None:
-    """Download and extract the official archive into data_dir. Returns None or the reason it failed.
-
-    Call it on one process per node only (local rank 0); the others wait at a barrier.
-    """
+    """Download and extract the archive (one process per node); None, or why it failed."""
     from torchvision.datasets.utils import download_and_extract_archive
 
     url = os.environ.get("CIFAR10_URL", OFFICIAL_URL)
     try:
         download_and_extract_archive(url, download_root=str(data_dir), md5=OFFICIAL_MD5)
-    except Exception as exc:  # no network, refused, wrong md5, disk full: all end the same way
+    except Exception as exc:
         return f"download from {url} failed: {exc}"
     return None if dataset_present(data_dir) else f"the archive from {url} did not contain {FOLDER}/"
 
 
 class RefusedGlobal(pickle.UnpicklingError):
-    """A batch file asked for a Python object that CIFAR-10 batches never contain."""
+    pass
 
 
 def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
-    """_codecs.encode as pickle protocols 0-2 written by Python 3 use it for bytes (the array's raw data),
-    and for nothing else: any other codec is refused."""
+    """Python 3's protocol 0-2 pickles encode bytes with latin1; any other codec is refused."""
     if encoding != "latin1":
         raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
@@ -88,12 +75,11 @@ def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
 
 @functools.cache
 def _allowed_globals() -> dict:
-    """(module, name) -> object: numpy's array reconstruction, under the module names numpy 1.x and 2.x
-    write (numpy.core / numpy._core; _frombuffer for pickle protocol 5), and the latin1 encoder."""
+    """(module, name) -> what rebuilds a numpy array, under numpy 1.x and 2.x names."""
     import numpy
 
     try:
-        from numpy._core import multiarray, numeric  # numpy >= 2
+        from numpy._core import multiarray, numeric
     except ImportError:
         from numpy.core import multiarray, numeric
     allowed = {
@@ -108,11 +94,7 @@ def _allowed_globals() -> dict:
 
 
 class BatchUnpickler(pickle.Unpickler):
-    """pickle.Unpickler for CIFAR-10 batch files, which hold a dict of str keys, lists of ints and strs,
-    and one numpy uint8 array. Plain values need no global; every global (a class or function to call)
-    goes through find_class, which hands out only what rebuilds a numpy array. Anything else (os.system,
-    builtins.eval, ...) is refused before it is called, so a crafted file cannot run code. The C unpickler
-    does the work: a handful of find_class calls per file, the same speed as pickle.load."""
+    """Hands out only the globals that rebuild a numpy array, so a crafted file cannot run code."""
 
     def find_class(self, module: str, name: str):
         allowed = _allowed_globals().get((module, name))
@@ -122,7 +104,7 @@ class BatchUnpickler(pickle.Unpickler):
 
 
 def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read and validate one pickled batch file; every problem names the file."""
+    """Read and validate one batch file; errors name the file."""
     try:
         with open(path, "rb") as f:
             batch = BatchUnpickler(f, encoding="latin1").load()
@@ -155,9 +137,7 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _labels(path: Path, labels) -> torch.Tensor:
-    """'labels' as int64 [N] from a list (or 1-D array) of integers, else a DataError naming the file. None, a
-    number, strings, floats or nested lists must become that error, not a TypeError on one rank: load_splits
-    turns a DataError into the answer every rank shares."""
+    """'labels' as int64 [N], else a DataError (which load_splits shares; a TypeError it could not)."""
     try:
         values = torch.as_tensor(list(labels))
     except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -176,7 +156,7 @@ def _labels(path: Path, labels) -> torch.Tensor:
 
 
 def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The train or validation split as (uint8 [N, 3, 32, 32], int64 [N]); `subset` keeps the first N."""
+    """(uint8 [N, 3, 32, 32], int64 [N]) of a split; `subset` keeps the first N."""
     folder = dataset_folder(data_dir)
     if not dataset_present(data_dir):
         raise DataError(how_to_provide(data_dir))
@@ -202,8 +182,7 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
 
 
 def load_splits(data_dir, train_subset: int | None, val_subset: int | None):
-    """(train split, validation split, None), or (None, None, why not). The entry points share every
-    rank's answer before anyone goes on, so a node without the data stops every node, not only itself."""
+    """(train, val, None) or (None, None, why): every rank's answer is shared, so one failing node stops all."""
     try:
         return load_split(data_dir, True, train_subset), load_split(data_dir, False, val_subset), None
     except DataError as exc:
@@ -211,9 +190,6 @@ def load_splits(data_dir, train_subset: int | None, val_subset: int | None):
 
 
 def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
-    """The training and validation datasets of the recipe's pipeline: `device` keeps the whole uint8
-    dataset on this process's device and cuts augmented batches there (DeviceBatches, one random stream
-    per rank: seed + rank); `dataloader` transforms one image at a time on the CPU (CIFAR10)."""
     if recipe.data_pipeline == "device":
         flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
         return (
@@ -235,12 +211,8 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
 
 
 def loader_options(recipe, device, rank: int) -> dict:
-    """DataLoader options. Workers only for the per-image pipeline on a GPU (pinned memory for the copy); on a
-    CPU run they would only take cores from training, and the device pipeline's batches are cut on the device.
-    Workers ignore stop signals. And a random generator of the loader's own (seed + rank): every iterator
-    draws a base seed (the workers' seeds) from it, which without one it draws from the global stream that
-    dropout and the CPU augmentation use, so that a run resumed in the middle of an epoch, whose new iterator
-    draws once more, would train on with other dropout masks than the run it continues."""
+    """DataLoader options. Its own generator: a mid-epoch resume's extra iterator must not draw from the
+    global stream dropout uses."""
     per_image_on_gpu = device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
     return dict(
@@ -262,17 +234,15 @@ def require_a_step(steps_per_epoch: int, train_images: int, world_size: int, bat
 
 @dataclass
 class Loaders:
-    """What the epoch loop needs of the data; each entry point's build_data fills it in."""
-
     train_set: Dataset
     train_loader: DataLoader
     val_loader: DataLoader
     val_images: int
     steps_per_epoch: int
-    train_sampler: DistributedSampler | None = None  # None: Accelerate's prepared loader reshuffles itself
-    train_batches: "SkipFirst | None" = None  # None: Accelerate skips batches with skip_first_batches
-    val_mask: torch.Tensor | None = None  # None: Accelerate's gather_for_metrics drops the padding
-    recalibration: list = field(default_factory=list)  # unaugmented training batches (recipe.bn_recalibration)
+    train_sampler: DistributedSampler | None = None  # these three: None under Accelerate
+    train_batches: "SkipFirst | None" = None
+    val_mask: torch.Tensor | None = None
+    recalibration: list = field(default_factory=list)
 
     def sizes(self) -> dict:
         """What a checkpoint records of the data, and a resume must match."""
@@ -284,12 +254,10 @@ class Loaders:
 
 
 class CIFAR10(Dataset):
-    """uint8 images in memory -> normalised float images; training adds the standard augmentation
-    (random crop with `crop_padding` pixels of zero padding, horizontal flip), one image at a time on the CPU."""
+    """Per-image CPU pipeline: normalised, optionally cropped and flipped."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, crop_padding: int = 4):
-        # Imported here, not at the top: importing torchvision also imports torch._dynamo (about 3 s per process
-        # on a CPU), which the launcher and the device pipeline never need.
+        # Lazy: torchvision imports torch._dynamo (slow), which only this pipeline needs.
         from torchvision.transforms import v2
 
         self.images, self.labels = images, labels
@@ -305,15 +273,13 @@ class CIFAR10(Dataset):
 
 
 class SkipFirst(Sampler):
-    """The batches of a BatchSampler, less the first `skip` of them. A run resumed in the middle of an
-    epoch sets `skip` to the steps already trained; since the DistributedSampler's order depends only
-    on its seed and epoch, the remaining batches are exactly those the interrupted run would have used."""
+    """A BatchSampler less its first `skip` batches: a mid-epoch resume gets exactly the remaining ones."""
 
     def __init__(self, batches):
         self.batches, self.skip = batches, 0
 
     def __iter__(self):
-        sampler = getattr(self.batches, "sampler", None)  # DeviceBatches(flips=...) mirrors by the epoch's parity
+        sampler = getattr(self.batches, "sampler", None)  # alternating flips need the epoch
         if isinstance(getattr(sampler, "dataset", None), DeviceBatches):
             sampler.dataset.epoch = getattr(sampler, "epoch", 0)
         return itertools.islice(iter(self.batches), self.skip, None)
@@ -323,9 +289,7 @@ class SkipFirst(Sampler):
 
 
 def ignore_stop_signal(worker_id: int) -> None:
-    """DataLoader worker_init_fn: a stop request (SIGUSR1, which srun sends to every process of a job
-    step) or SIGTERM (which slurmstepd sends to every process of the step at scancel or the time limit)
-    is for the training ranks, not for their loader workers, which would die of it."""
+    """worker_init_fn: Slurm signals every process of a step; the stop is for the ranks, not workers."""
     import signal
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -333,32 +297,21 @@ def ignore_stop_signal(worker_id: int) -> None:
 
 
 def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
-    """True for this rank's samples that are real, False for DistributedSampler's padding.
-
-    DistributedSampler pads the index list to a multiple of the world size by repeating its first
-    indices, then gives rank r the positions r, r + W, r + 2W, ... Positions >= len(dataset) are
-    the repeats: counting them would count those images twice in the validation metrics.
-    """
+    """False for DistributedSampler's padding, which repeats images."""
     positions = sampler.rank + torch.arange(sampler.num_samples) * sampler.num_replicas
     return positions < len(sampler.dataset)
 
 
 def tta_weights(flip: bool = False, translate: int = 0) -> dict:
-    """{(shift, mirrored): weight} of the test-time views whose logits validation averages.
-
-    No TTA: the image alone. flip: it and its mirror image, half each. translate t > 0: half the weight
-    on the unshifted view(s), a quarter each on the image shifted t pixels towards the bottom right
-    (shift +t) and towards the top left (shift -t). Every weight is a power of two, so in bf16 the mean
-    rounds as (a + b) / 2 does."""
+    """{(shift, mirrored): weight} of the TTA views; powers of two, so bf16 means round exactly."""
     shifts = {0: 1.0} if translate == 0 else {0: 0.5, translate: 0.25, -translate: 0.25}
     mirrors = {False: 0.5, True: 0.5} if flip else {False: 1.0}
     return {(shift, mirrored): ws * wm for shift, ws in shifts.items() for mirrored, wm in mirrors.items()}
 
 
 def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
-    """The batch with its content moved `shift` pixels down and right (negative: up and left), the
-    uncovered border filled by reflection (no zero border the model never saw: the fast recipe trains
-    without crops), then mirrored left-right if asked; same memory layout as `images`."""
+    """The batch shifted `shift` pixels down-right, reflection-padded (the model may never see zero borders),
+    then mirrored if asked."""
     if shift != 0:
         t, (h, w) = abs(shift), images.shape[-2:]
         layout = (
@@ -370,9 +323,7 @@ def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
 
 
 def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int = 0, cache: dict | None = None):
-    """The logits validation scores: the weighted mean of the model's logits over the views of tta_weights.
-    `cache` ({(shift, mirrored): logits}) lets a benchmark score several variants of one batch with one
-    forward pass per distinct view."""
+    """Weighted mean of the logits over tta_weights' views; `cache` reuses them across calls."""
     cache = {} if cache is None else cache
     total = 0
     for (shift, mirrored), weight in tta_weights(flip, translate).items():
@@ -393,16 +344,8 @@ def evaluate(
     tta_translate: int = 0,
     gather=None,
 ) -> torch.Tensor:
-    """Sum of per-image loss, number correct and number of images over the real samples of `loader`.
-    With tta_flip / tta_translate, the logits are a mean over test-time views of each image (tta_logits).
-
-    `mask` says which samples are real (a DistributedSampler pads with repeats). Or, with mask None,
-    `gather` is a collective the entry point passes in (Accelerate's gather_for_metrics): it collects
-    every rank's per-image results of each batch and drops the padding itself.
-
-    Returns float64 [loss_sum, correct, count] on `device`. Sums, not means, so that the entry point
-    can combine ranks exactly: the ratio of reduced sums is the true mean over all images.
-    """
+    """float64 [loss_sum, correct, count] over real samples (`mask`, or `gather` drops padding): sums reduce
+    exactly over ranks."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     offset = 0
@@ -424,23 +367,15 @@ def evaluate(
     return totals
 
 
-# ----------------------------------------------------------------------------- on-device pipeline
-
-
 def alternating_flips(images: int, seed: int) -> torch.Tensor:
-    """recipe.alternating_flip (airbench's rule): one fixed random bit per training image, the same on
-    every rank (from `seed` alone); image i is mirrored in epoch e when bit i XOR (e mod 2) is 1, so any
-    two consecutive epochs show it once mirrored and once not."""
+    """airbench's alternating flip: image i is mirrored in epoch e when bit i XOR (e mod 2) is 1."""
     return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
 
 
 def random_crop_flip(
     images: torch.Tensor, generator: torch.Generator, pad: int = 4, flip: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Random crop with `pad` pixels of zero padding and a random horizontal flip, for a whole
-    uint8 batch [B, C, H, W] at once: one pad, two gathers (rows, then columns), one select.
-    No per-image Python; the same code runs on CPU and GPU tensors. pad 0: flips only (no crop work).
-    `flip` (bool [B]): which images to mirror, instead of a coin toss each."""
+    """Random crop and flip of a whole uint8 batch at once; `flip` (bool [B]) replaces the coin toss."""
     n, c, h, w = images.shape
     device = images.device
     if pad == 0:
@@ -457,17 +392,7 @@ def random_crop_flip(
 
 
 def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
-    """This rank's share of the recipe's `bn_recalibration` training images, for re-estimating the
-    evaluated network's BatchNorm statistics: a fixed random subset (recipe.seed) dealt out to the
-    ranks (positions rank, rank + W, ...: together they see different images), normalised, never
-    augmented, in batches of recipe.batch_size on `device`, in the recipe's memory layout. Every rank
-    gets the same number of equal batches, so every batch counts the same in the average, and with
-    sync_bn (a collective in every BatchNorm forward) no rank waits for a batch another rank does not
-    run: each rank uses N // W images (the smallest share), in (N // W) // B batches of B, or one
-    batch of N // W when that is less than B. So W * B * ((N // W) // B) images take part (fast.yaml on
-    2 processes: 2 x 19 x 128 = 4,864 of its 5,000; a multiple of W * B is used whole). N is all the
-    training images if there are fewer (a --train-subset run of a full-data recipe). Made once, before
-    training; it draws nothing from the training data's random streams. [] when the key is 0."""
+    """This rank's unaugmented bn_recalibration batches; every rank gets the same count, as sync_bn needs."""
     images, batch_size = min(recipe.bn_recalibration, len(train_set)), recipe.batch_size
     if recipe.bn_recalibration == 0:
         return []
@@ -486,10 +411,7 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
 
 
 class DeviceBatches(Dataset):
-    """The whole split as uint8 on `device` (150 MB for the training set); `dataset[indices]`
-    returns a whole normalised batch. Used with DataLoader(batch_size=None,
-    sampler=BatchSampler(DistributedSampler(...), batch_size, drop_last)), so the indices still come
-    from the DistributedSampler and set_epoch still reshuffles; the DataLoader only iterates."""
+    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch (DataLoader batch_size=None)."""
 
     def __init__(
         self,
@@ -504,7 +426,6 @@ class DeviceBatches(Dataset):
     ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
-        # alternating_flips' bits, or None (random flips); SkipFirst sets `epoch` from the sampler each epoch
         self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
         self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255

@@ -1,10 +1,6 @@
 """Where an epoch's training time goes: data, forward, backward, optimizer, other.
 
-PhaseTimer puts a timestamp at each phase boundary of every step. On CUDA the timestamps are events
-on the GPU's stream (so a phase is what the GPU timeline spent on it, host waits included, with no
-synchronisation until the epoch ends); on the CPU they are perf_counter readings (CPU work is
-synchronous; DDP's backward returns only after its all-reduce has finished). When profiling is off
-the timer is disabled and each call returns at once.
+Marks are CUDA events (no sync until the epoch ends), or perf_counter on the CPU.
 """
 
 import contextlib
@@ -16,8 +12,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
 class PhaseTimer:
-    """--profile's phase times, and --trace's torch.profiler (started here, stepped by each "other" mark,
-    stopped by the first totals(): the trace covers steps 3-5 of the first epoch this process runs)."""
+    """--profile's phase times, and --trace's profiler (stopped by the first totals())."""
 
     def __init__(self, device: torch.device, enabled: bool, trace_dir: str | None = None, rank: int = 0):
         self.enabled, self.cuda = enabled, device.type == "cuda"
@@ -32,17 +27,16 @@ class PhaseTimer:
         return time.perf_counter()
 
     def start(self, device: torch.device) -> float:
-        """A new epoch: returns its start on the epoch clock (synchronized_clock), and starts the phase marks."""
         t0 = synchronized_clock(device)
         if self.enabled:
             self.marks = [(None, self._now())]
         return t0
 
     def mark(self, phase: str) -> None:
-        """The phase that has just ended (the time since the previous mark belongs to it)."""
+        """End `phase`: the time since the previous mark is its."""
         if self.enabled:
             self.marks.append((phase, self._now()))
-        if phase == "other" and self.tracer:  # the step's last mark
+        if phase == "other" and self.tracer:
             self.tracer.step()
 
     def totals(self) -> dict:
@@ -61,7 +55,6 @@ class PhaseTimer:
 
 
 def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None, epoch: int) -> str:
-    """Rank 0's per-epoch table: seconds and share of the epoch per phase, their sum, the all-reduce estimate."""
     names = {
         "data": "data (waiting for the next batch)",
         "forward": "forward",
@@ -83,8 +76,7 @@ def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None,
 
 
 def start_tracer(trace_dir: str | None, device: torch.device, rank: int):
-    """--trace DIR: a torch.profiler trace of steps 3-5 of this rank (every kernel; for TensorBoard or
-    Perfetto), started; None without --trace. Call .step() after each step and .stop() after the epoch."""
+    """A started profiler tracing steps 3-5 into trace_dir, or None."""
     if not trace_dir:
         return None
     tracer = torch.profiler.profile(
@@ -98,19 +90,17 @@ def start_tracer(trace_dir: str | None, device: torch.device, rank: int):
 
 
 def synchronized_clock(device: torch.device) -> float:
-    """perf_counter once the GPU has finished what it was told: the clock measures work, not launches."""
+    """perf_counter after a GPU sync: the clock measures work, not launches."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
 def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, repeats: int = 3) -> float:
-    """Seconds per step that gradient synchronisation adds to backward (--profile): the same batch's
-    backward timed with DDP's all-reduce and inside no_sync() (no all-reduce). All ranks must call it
-    together. BatchNorm statistics, random state and gradients are put back as they were."""
+    """Seconds the all-reduce adds to a backward (timed with and without no_sync); all ranks must call it."""
     with state_restored(raw_model, device):
         seconds = []
-        for context in (contextlib.nullcontext, no_sync):  # with the all-reduce, then without it
+        for context in (contextlib.nullcontext, no_sync):
             seconds.append(backward_seconds(forward, backward, context, device, repeats))
             zero_grad(set_to_none=True)
     return max(seconds[0] - seconds[1], 0.0)
@@ -118,11 +108,10 @@ def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, rep
 
 @contextlib.contextmanager
 def state_restored(raw_model: torch.nn.Module, device: torch.device):
-    """Put the BatchNorm buffers and the random state back on exit: an extra measurement (--profile's
-    all-reduce estimate) must not change what the run does next."""
+    """A measurement must not change the run: restore buffers and random state."""
     buffers = [b.clone() for b in raw_model.buffers()]
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # as recalibrate_bn
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield
     finally:
         with torch.no_grad():
@@ -131,8 +120,6 @@ def state_restored(raw_model: torch.nn.Module, device: torch.device):
 
 
 def backward_seconds(forward, backward, context, device: torch.device, repeats: int) -> float:
-    """Best of `repeats` timings of backward(forward()), forward and backward inside context() (DDP's
-    no_sync, say); only the backward is timed. Gradients are set to None afterwards by the caller."""
     best = float("inf")
     for _ in range(repeats):
         with context():
