@@ -249,6 +249,20 @@ def build_model(args, recipe, accelerator, device):
 
 
 # ============================================================================ train
+@dataclasses.dataclass
+class TrainingRun:
+    """One rank's training: what a checkpoint holds besides the progress (the accelerator keeps the model,
+    optimizer and scheduler it prepared), and whose it is."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    accelerator: Accelerator
+    raw_model: torch.nn.Module
+    eval_model: torch.nn.Module  # raw_model, or its moving average
+    data: Loaders
+
+
 def train_process(args: argparse.Namespace, recipe) -> None:
     """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
     install_stop_handlers()  # SIGUSR1/SIGTERM: checkpoint at the next agreement, then exit (cifar_wrn/resilience.py)
@@ -262,10 +276,10 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # A1.8: stepped with the prepared model
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
         memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-        run = (accelerator, raw_model, eval_model, data)  # what a checkpoint holds besides progress
-        if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
+        run = TrainingRun(rank, world_size, device, accelerator, raw_model, eval_model, data)
+        if (progress := resume(args, recipe, run)) is None:
             return  # that run had already finished
-        log = open_log(args, recipe, accelerator, data, raw_model, lr, progress)
+        log = open_log(args, recipe, run, lr, progress)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
@@ -302,7 +316,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                     raise preempted(
                         epoch,
                         step,
-                        args.checkpoint_dir and save_checkpoint(args, recipe, rank, world_size, device, run, at),
+                        args.checkpoint_dir and save_checkpoint(args, recipe, run, at),
                     )
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
@@ -311,7 +325,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
-            comm = allreduce_estimate(args, data.steps_per_epoch - progress.step, run, model, images, labels, criterion)
+            last_loss = lambda x=images, y=labels: criterion(model(x), y)  # the last batch's (prepare() autocasts)
+            comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
             # =============================================================== evaluate
             images_per_sec = torch.tensor(
                 [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
@@ -333,7 +348,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
             log.write({"kind": "epoch", **metrics, **({"profile": profile, "comm_estimate": comm} if profile else {})})
             if args.checkpoint_dir:
-                save_checkpoint(args, recipe, rank, world_size, device, run, progress, finished=done)
+                save_checkpoint(args, recipe, run, progress, finished=done)
             if done:
                 break
         if is_main:  # A1.10: "Early stopping after epoch N", or the target not reached
@@ -386,24 +401,20 @@ def epoch_batches(accelerator, data: Loaders, epoch: int, skip: int):
     return accelerator.skip_first_batches(data.train_loader, skip) if skip else data.train_loader
 
 
-def allreduce_estimate(args, steps_run, run, model, images, labels, criterion) -> float:
+def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
     """--profile, outside the epoch's clock: the seconds DDP's all-reduce added to this epoch's backward passes
-    (the last batch's backward with it and inside accelerator.no_sync(model); cifar_wrn/profiling.py)."""
+    (`forward`'s loss backward with it and inside accelerator.no_sync(model); cifar_wrn/profiling.py)."""
     if not (args.profile and steps_run):  # no step run: a resume at the epoch's last step
         return 0.0
-    accelerator, raw_model, device = run[0], run[1], run[0].device
+    accelerator = run.accelerator
     return steps_run * allreduce_cost(
-        lambda: criterion(model(images), labels),
-        accelerator.backward,
-        lambda: accelerator.no_sync(model),
-        model.zero_grad,
-        raw_model,
-        device,
+        forward, accelerator.backward, lambda: accelerator.no_sync(model), model.zero_grad, run.raw_model, run.device
     )
 
 
-def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
+def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
+    accelerator = run.accelerator
     per_node = local_world_size(accelerator.num_processes)
     num_nodes = accelerator.num_processes // per_node
     layout = f"{num_nodes}x{per_node}"
@@ -411,12 +422,12 @@ def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: 
     log = open_run_log(
         path,
         progress,
-        data,
-        raw_model,
-        recipe,
-        lr,
-        accelerator.num_processes,
-        args.model_width,
+        data=run.data,
+        raw_model=run.raw_model,
+        recipe=recipe,
+        lr=lr,
+        world_size=accelerator.num_processes,
+        model_width=args.model_width,
         num_gpus=per_node,
         num_nodes=num_nodes,
         backend=accelerator.state.backend or "none",
@@ -433,11 +444,12 @@ def open_log(args, recipe, accelerator, data: Loaders, raw_model, lr, progress: 
 
 
 # ============================================================================ checkpoint
-def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
+def resume(args, recipe, run: TrainingRun) -> Progress | None:
     """Where this run starts: from scratch, or exactly where a checkpoint left off; None if that run had
     already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
     one (or none): never resume some ranks while others start from scratch."""
-    accelerator, raw_model, eval_model, data = run
+    rank, world_size, device, accelerator, data = run.rank, run.world_size, run.device, run.accelerator, run.data
+    raw_model, eval_model = run.raw_model, run.eval_model
     if not (args.resume or args.auto_resume):
         return Progress()
     folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
@@ -468,10 +480,11 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     return None if state["finished"] else progress
 
 
-def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progress, finished: bool = False) -> str:
+def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
     """All ranks: save_state into DIR/.incomplete, then the main process publishes it (publish_checkpoint).
     Returns the checkpoint's folder."""
-    accelerator, raw_model, eval_model, data = run
+    rank, world_size, device, accelerator, data = run.rank, run.world_size, run.device, run.accelerator, run.data
+    raw_model, eval_model = run.raw_model, run.eval_model
     pipeline = gather_object([data.train_set.generator.get_state() if data.train_sampler is not None else None])
     state = {
         **progress.as_dict(),

@@ -31,6 +31,7 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -251,6 +252,20 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
 
 
 # ============================================================================ train
+@dataclass
+class TrainingRun:
+    """One rank's training: what a checkpoint holds besides the progress, and whose it is."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    raw_model: torch.nn.Module
+    eval_model: torch.nn.Module  # raw_model, or its moving average
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Loaders
+
+
 def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
     """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
     install_stop_handlers()  # SIGUSR1/SIGTERM: checkpoint at the next agreement, then exit (cifar_wrn/resilience.py)
@@ -263,10 +278,10 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
         memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-        run = (raw_model, eval_model, optimizer, scheduler, data)  # what a checkpoint holds besides progress
-        if (progress := resume(args, recipe, rank, world_size, device, run)) is None:
+        run = TrainingRun(rank, world_size, device, raw_model, eval_model, optimizer, scheduler, data)
+        if (progress := resume(args, recipe, run)) is None:
             return  # that run had already finished
-        log = open_log(args, recipe, rank, world_size, device, data, raw_model, lr, progress)
+        log = open_log(args, recipe, run, lr, progress)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
         done, images, labels = False, None, None  # images, labels: the last batch, for --profile
@@ -304,7 +319,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                     raise preempted(
                         epoch,
                         step,
-                        args.checkpoint_dir and save_checkpoint(args, recipe, rank, world_size, device, run, at),
+                        args.checkpoint_dir and save_checkpoint(args, recipe, run, at),
                     )
                 bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
                 timer.mark("other")
@@ -313,7 +328,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()  # {} unless --profile
-            comm = allreduce_estimate(args, data, model, raw_model, images, labels, criterion, autocast, device)
+            last_loss = torch.autocast(**autocast)(lambda x=images, y=labels: criterion(model(x), y))  # last batch's
+            comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
             # =============================================================== evaluate
             images_per_sec = torch.tensor(
                 [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
@@ -324,7 +340,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 "epoch": epoch + 1,
                 "cumulative_time": progress.cumulative_time,
                 "epoch_time": epoch_time,
-                "images_per_sec": images_per_sec.item(),
+                "images_per_sec": images_per_sec.item() if is_main else None,  # only rank 0 holds the sum
                 "val_loss": val_loss,
                 "val_accuracy": val_accuracy,
             }
@@ -335,7 +351,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
             log.write({"kind": "epoch", **metrics, **({"profile": profile, "comm_estimate": comm} if profile else {})})
             if args.checkpoint_dir:
-                save_checkpoint(args, recipe, rank, world_size, device, run, progress, finished=done)
+                save_checkpoint(args, recipe, run, progress, finished=done)
             if done:
                 break
         if is_main:  # R1.10: "Early stopping after epoch N", or the target not reached
@@ -370,55 +386,49 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def allreduce_estimate(args, data: Loaders, model, raw_model, images, labels, criterion, autocast, device) -> float:
-    """--profile, outside the epoch's clock: the seconds DDP's all-reduce added to this epoch's backward
-    passes (the last batch's backward with it and inside model.no_sync(); cifar_wrn/profiling.py)."""
-    steps_run = data.steps_per_epoch - data.train_batches.skip  # 0 after a resume at an epoch's last step
-    if not (args.profile and steps_run):
+def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
+    """--profile, outside the epoch's clock: the seconds DDP's all-reduce added to this epoch's backward passes
+    (`forward`'s loss backward with it and inside model.no_sync(); cifar_wrn/profiling.py)."""
+    if not (args.profile and steps_run):  # no step run: a resume at the epoch's last step
         return 0.0
-
-    def forward():
-        with torch.autocast(**autocast):
-            return criterion(model(images), labels)
-
     return steps_run * allreduce_cost(
-        forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad, raw_model, device
+        forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad, run.raw_model, run.device
     )
 
 
-def open_log(args, recipe, rank, world_size, device, data: Loaders, raw_model, lr, progress: Progress) -> JsonLog:
+def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
     """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     layout = f"{args.num_nodes}x{args.num_gpus}"
-    path = run_log_path(args.log_json, args.recipe, layout) if rank == 0 else None
+    path = run_log_path(args.log_json, args.recipe, layout) if run.rank == 0 else None
     return open_run_log(
         path,
         progress,
-        data,
-        raw_model,
-        recipe,
-        lr,
-        world_size,
-        args.model_width,
+        data=run.data,
+        raw_model=run.raw_model,
+        recipe=recipe,
+        lr=lr,
+        world_size=run.world_size,
+        model_width=args.model_width,
         num_nodes=args.num_nodes,
         num_gpus=args.num_gpus,
         backend=dist.get_backend(),
-        device=device.type,
+        device=run.device.type,
         launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
     )
 
 
 # ============================================================================ checkpoint
-def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
+def resume(args, recipe, run: TrainingRun) -> Progress | None:
     """Where this run starts: from scratch, or exactly where a checkpoint left off; None if that run had
     already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
     one (or none): never resume some ranks while others start from scratch."""
-    data = run[4]
+    rank, world_size, data = run.rank, run.world_size, run.data
     if not (args.resume or args.auto_resume):
         return Progress()
     checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
     if checkpoint is not None:  # each rank loads its part before the ranks agree: one that cannot stops them all
         problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
-            restore_raw, checkpoint, rank, device, run[:4], getattr(data.train_set, "generator", None)
+            restore_raw, checkpoint, run
         )
     seen = [None] * world_size
     dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
@@ -439,9 +449,16 @@ def resume(args, recipe, rank, world_size, device, run) -> Progress | None:
     return None if checkpoint["finished"] else progress
 
 
-def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progress, finished: bool = False) -> str:
+def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
     """Rank 0 writes everything needed to continue at `progress`; all ranks wait for it. Returns the path."""
-    raw_model, eval_model, optimizer, scheduler, data = run
+    rank, world_size, device, raw_model, eval_model, data = (
+        run.rank,
+        run.world_size,
+        run.device,
+        run.raw_model,
+        run.eval_model,
+        run.data,
+    )
     rng = {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
@@ -453,8 +470,8 @@ def save_checkpoint(args, recipe, rank, world_size, device, run, progress: Progr
     if rank == 0:
         state = {
             "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
             "ema": eval_model.state_dict() if eval_model is not raw_model else None,
             **progress.as_dict(),
             "finished": finished,

@@ -296,9 +296,10 @@ def _loading(where, action) -> None:
         raise CheckpointError(f"{where} was found but cannot be loaded into this run ({why(exc)})") from None
 
 
-def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) -> None:
-    """raw_ddp.py: this rank's objects and random streams from `checkpoint`."""
-    raw_model, eval_model, optimizer, scheduler = objects
+def restore_raw(checkpoint: dict, run) -> None:
+    """raw_ddp.py: this rank's part of `checkpoint` into `run` (raw_ddp.py's TrainingRun): weights, states, streams."""
+    rank, device, raw_model, eval_model = run.rank, run.device, run.raw_model, run.eval_model
+    generator = getattr(run.data.train_set, "generator", None)  # the device pipeline's stream
 
     def load():
         rng = checkpoint["rng"][rank]  # this rank's own random streams, exactly where they were
@@ -306,8 +307,8 @@ def restore_raw(checkpoint: dict, rank: int, device, objects: tuple, generator) 
         if problem:
             raise CheckpointError(problem)
         raw_model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
+        run.optimizer.load_state_dict(checkpoint["optimizer"])
+        run.scheduler.load_state_dict(checkpoint["scheduler"])
         if eval_model is not raw_model:
             eval_model.load_state_dict(checkpoint["ema"])
         torch.set_rng_state(rng["torch"])

@@ -379,7 +379,16 @@ def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
             CheckpointError,
             match=f"written by a run on {saved}, this run is on {running}: its random states.* do not carry over",
         ):
-            restore_raw(checkpoint, 0, torch.device(running), (None,) * 4, None)
+            restore_raw(
+                checkpoint,
+                SimpleNamespace(
+                    rank=0,
+                    device=torch.device(running),
+                    raw_model=None,
+                    eval_model=None,
+                    data=SimpleNamespace(train_set=None),
+                ),
+            )
     accelerator = SimpleNamespace(process_index=0)
     fake_random_states(tmp_path / "random_states_0.pkl", cuda=False)
     with pytest.raises(CheckpointError, match="written by a run on cpu, this run is on cuda"):
