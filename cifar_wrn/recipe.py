@@ -1,11 +1,4 @@
-"""Hyperparameters in one place: the Recipe dataclass, YAML recipe files, CLI overrides.
-
-A recipe is a small commented YAML file in recipes/ (`--recipe baseline` or `--recipe path.yaml`).
-Every key must be a field of Recipe (unknown keys are rejected, so a typo never passes silently);
-keys a file leaves out keep the defaults below. Command-line flags and `--set KEY=VALUE` override
-single keys after the file is read. Both entry points resolve the recipe the same way and write the
-resolved values into their JSON log.
-"""
+"""Hyperparameters: the Recipe dataclass, YAML recipes in recipes/, and --set overrides."""
 
 import dataclasses
 import math
@@ -28,64 +21,54 @@ class RecipeError(UserError):
 @dataclass
 class Recipe:
     # --- length and stopping
-    epochs: int = 40  # maximum number of training epochs
-    target_accuracy: float = 0.85  # validation accuracy (fraction) that counts as reached
-    patience: int = 2  # stop after this many consecutive epochs at or above the target
-    extra_epochs: int = 0  # safety net: when the budget `epochs` ends with the target still reachable
-    # within this many more epochs (streak + extra >= patience), train on, each
-    # extra epoch at the budget's last epoch's learning rates (0 = off)
+    epochs: int = 40  # epoch budget
+    target_accuracy: float = 0.85  # validation accuracy (fraction)
+    patience: int = 2  # consecutive epochs at target to stop
+    extra_epochs: int = 0  # more epochs if the target is still reachable (0 = off)
     # --- batch and learning rate
-    batch_size: int = 32  # images per process per step (per_device_batch_size)
-    base_lr: float = 0.01  # learning rate at reference_batch_size images per step
-    lr_scaling: str = "linear"  # linear: lr = base_lr * global_batch_size / reference_batch_size; none
-    reference_batch_size: int = 32  # the global batch size at which base_lr was tuned
-    lr_schedule: str = "constant"  # constant | warmup_linear (linear warmup, then linear decay to 0)
-    warmup_epochs: float = 0.0  # epochs of linear warmup (warmup_linear only)
-    anneal_epochs: float = 0.0  # warmup_linear: the decay reaches 0 after this many epochs, or at the end
-    # of `epochs` if that comes first (0 = at the end); then lr 0
-    residual_bn_init: float = 1.0  # initial gamma of each residual body's last BatchNorm (1 = PyTorch's)
+    batch_size: int = 32  # images per process per step
+    base_lr: float = 0.01  # lr at reference_batch_size
+    lr_scaling: str = "linear"  # linear (lr x global batch / reference) | none
+    reference_batch_size: int = 32  # global batch at which base_lr was tuned
+    lr_schedule: str = "constant"  # constant | warmup_linear (linear decay to 0)
+    warmup_epochs: float = 0.0  # epochs of warmup
+    anneal_epochs: float = 0.0  # decay reaches 0 here (0 = at `epochs`)
+    residual_bn_init: float = 1.0  # initial gamma of each residual's last BN
     # --- optimizer and loss
-    momentum: float = 0.0  # SGD momentum (0 = plain SGD)
-    nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
-    weight_decay: float = 0.0  # L2 penalty on conv/linear weights (never on BatchNorm or biases)
-    label_smoothing: float = 0.0  # CrossEntropyLoss label smoothing
-    grad_clip_norm: float = 0.0  # clip the averaged gradient's global L2 norm to this (0 = off)
-    bn_lr_scale: float = 1.0  # learning-rate multiplier for BatchNorm weights and all biases
-    # (the parameters without weight decay); 1 = the same rate as the rest
+    momentum: float = 0.0  # SGD momentum
+    nesterov: bool = False
+    weight_decay: float = 0.0  # L2 on conv/linear weights only
+    label_smoothing: float = 0.0
+    grad_clip_norm: float = 0.0  # max global gradient L2 norm (0 = off)
+    bn_lr_scale: float = 1.0  # lr multiplier for BN weights and biases
     # --- numerics and data
-    precision: str = "fp32"  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
-    channels_last: bool = False  # NHWC memory layout for the model and its inputs
-    cudnn_benchmark: bool = False  # let cuDNN time its convolution algorithms once per shape (CUDA)
-    data_pipeline: str = "dataloader"  # dataloader: per-image transforms in DataLoader workers;
-    # device: whole uint8 dataset on the device, batched augmentation
-    augment: bool = True  # random crop (crop_padding below) + horizontal flip for training
-    crop_padding: int = 4  # pixels of zero padding around the random crop (augment only; 0 = flips only)
-    num_workers: int = 4  # DataLoader worker processes per GPU process (CPU runs use 0)
+    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 weights)
+    channels_last: bool = False  # NHWC layout
+    cudnn_benchmark: bool = False
+    data_pipeline: str = "dataloader"  # dataloader | device (whole dataset on device)
+    augment: bool = True  # random crop + horizontal flip
+    crop_padding: int = 4  # crop padding, pixels (0 = flips only)
+    num_workers: int = 4  # DataLoader workers per process
     eval_batch_size: int = 500  # images per process per validation step
-    seed: int = 0  # model init, sampler shuffling; augmentation uses seed + rank
-    # --- optional, each measured in docs/optimizations.md (all off by default)
-    ema_decay: float = 0.0  # evaluate an exponential moving average of the weights (0 = off)
-    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view: gradients live in the all-reduce buckets
-    ddp_static_graph: bool = False  # DDP static_graph: the same graph every step
-    grad_compression: str = "none"  # none | bf16: all-reduce gradients in bf16 (DDP comm hook)
-    sync_bn: bool = False  # SyncBatchNorm: batch statistics over all ranks (costs a collective per BN)
-    compile: bool = False  # torch.compile the model (compile time counts in epoch 1)
-    tta_flip: bool = False  # evaluation also sees flipped images (changes the metric: report apart)
-    tta_translate: int = 0  # evaluation also sees each image shifted this many pixels both ways
-    # (reflected edges; 0 = off; evaluation only, like tta_flip)
-    bn_recalibration: int = 0  # training images (all ranks) whose batch statistics replace the evaluated
-    # network's BatchNorm statistics before each validation (0 = off); in the clock;
-    # equal whole batches per rank (data.recalibration_batches says how many)
-    # --- structural levers of issue 25 (docs/optimizations.md, 14; all off by default)
-    muon: bool = False  # Muon (orthogonalised Nesterov momentum) for the 4-D convolution kernels
-    muon_lr: float = 0.24  # the kernels' peak rate with muon (absolute: not scaled by the batch size)
-    muon_momentum: float = 0.6  # the kernels' momentum with muon (the other groups keep `momentum`)
-    bn_bias_lr_scale: float = 1.0  # BatchNorm biases learn at lr * bn_lr_scale * this (1 = like the other biases)
-    freeze_bn_scale: bool = False  # BatchNorm scales (gamma) stay at their initial value
-    lookahead_steps: int = 0  # Lookahead: every this many steps pull slow weights toward the live ones (0 = off)
-    lookahead_alpha: float = 0.5  # ... by this fraction, and restart the live weights from them
-    alternating_flip: bool = False  # augment: each image mirrored in every other epoch instead of at random
-    # (needs augment and data_pipeline: device)
+    seed: int = 0  # augmentation uses seed + rank
+    # --- levers, off by default
+    ema_decay: float = 0.0  # evaluate an EMA of the weights (0 = off)
+    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view
+    ddp_static_graph: bool = False
+    grad_compression: str = "none"  # none | bf16 all-reduce
+    sync_bn: bool = False
+    compile: bool = False
+    tta_flip: bool = False  # also evaluate flips (changes the metric)
+    tta_translate: int = 0  # also evaluate shifts of this many pixels (0 = off)
+    bn_recalibration: int = 0  # images to re-estimate BN stats before eval (0 = off)
+    muon: bool = False  # Muon for the 4-D conv kernels
+    muon_lr: float = 0.24  # kernels' lr with muon (not batch-scaled)
+    muon_momentum: float = 0.6  # kernels' momentum with muon
+    bn_bias_lr_scale: float = 1.0  # extra lr multiplier for BN biases
+    freeze_bn_scale: bool = False  # BN gammas stay at their initial value
+    lookahead_steps: int = 0  # Lookahead period, steps (0 = off)
+    lookahead_alpha: float = 0.5  # Lookahead pull fraction
+    alternating_flip: bool = False  # flip each image every other epoch
 
 
 CHOICES = {
@@ -121,7 +104,6 @@ def recipe_path(name_or_path: str) -> Path:
 
 
 def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
-    """Read a recipe file, apply overrides (already typed values or strings from --set), validate."""
     path = recipe_path(name_or_path)
     if not path.is_file():
         known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
@@ -149,7 +131,6 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
 
 
 def parse_set(items: list[str]) -> dict:
-    """['key=value', ...] from --set into a dict (values still strings)."""
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -171,7 +152,6 @@ def check_recipe(r: Recipe) -> None:
     for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "anneal_epochs", "extra_epochs"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
-    # momentum 1 never forgets a gradient (the steps grow without bound); label_smoothing 1 leaves no label
     for key in ("momentum", "label_smoothing"):
         if not 0.0 <= getattr(r, key) < 1.0:
             problems.append(f"{key} must be in [0, 1) (got {getattr(r, key)})")
@@ -231,8 +211,7 @@ def as_dict(recipe: Recipe) -> dict:
 
 
 def slow_bf16_warning(device_type: str, precision: str) -> str | None:
-    """The warning for bf16 autocast on a CPU whose oneDNN has no bfloat16 kernels, where every convolution
-    takes a slow path (docs/benchmarks.md): without it a CPU run of fast.yaml would crawl without a word."""
+    """Without oneDNN bf16 kernels every bf16 convolution takes a slow path."""
     if device_type != "cpu" or precision != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return (
@@ -242,23 +221,15 @@ def slow_bf16_warning(device_type: str, precision: str) -> str | None:
     )
 
 
-# ----------------------------------------------------------------------------- optimisation
-
-
 def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
-    """Linear scaling rule: k times more images per step take a k times larger step, so the
-    learning per epoch stays about the same when processes are added (Goyal et al., 2017)."""
+    """Linear scaling rule (Goyal et al., 2017): per-epoch learning stays the same as processes are added."""
     if recipe.lr_scaling == "linear":
         return recipe.base_lr * global_batch_size / recipe.reference_batch_size
     return recipe.base_lr
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.Optimizer:
-    """SGD; weight decay only on conv/linear weights (decaying BatchNorm scales and biases only
-    fights the normalisation and does not regularise); those scales and biases learn at `lr` times
-    bn_lr_scale (the schedule multiplies each group's own rate). The levers of docs/optimizations.md 14
-    take their parameters out of these two groups into groups of their own (lever_groups), and muon or
-    lookahead_steps make it cifar_wrn.optim.MuonSGD; at their defaults it is SGD with the two groups."""
+    """Decaying BN scales and biases only fights the normalisation, so they get no weight decay."""
     special = lever_groups(model, recipe, lr)
     taken = {id(p) for group in special for p in group["params"]}
     trained = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
@@ -280,9 +251,7 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.
 
 
 def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict]:
-    """The parameter groups of the levers that are on (none by default): Muon's convolution kernels (those a
-    BatchNorm directly follows renormalised, the rest not), the BatchNorm biases at bn_bias_lr_scale, the
-    BatchNorm scales frozen (rate 0, no decay: they never move)."""
+    """Groups of the levers that are on; muon renormalises only kernels a BatchNorm directly follows."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     groups = []
     if recipe.muon:
@@ -319,13 +288,6 @@ def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict
 
 
 def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step learning-rate multiplier: constant, or linear warmup then linear decay to zero at the
-    last step of the epoch budget (so the budget `epochs` is part of the recipe, not a guess), or earlier,
-    after `anneal_epochs`: the epochs after it train at lr 0, which makes the one before the last
-    (the first of the two the stopping rule needs) already an annealed model (docs/optimizations.md, 6c).
-    Past the budget (only the safety net's extra_epochs go there) every epoch replays the budget's last
-    epoch: with linear decay, from the rate that epoch began at down to where it ended (0 at the end of the
-    budget; lr 0 would train nothing), so each extra epoch ends annealed, like the last one of the budget."""
     end = min(recipe.anneal_epochs, recipe.epochs) if recipe.anneal_epochs > 0 else recipe.epochs
     total = round(end * steps_per_epoch)
     warmup = round(recipe.warmup_epochs * steps_per_epoch)
@@ -334,7 +296,7 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
     def factor(step: int) -> float:
         if recipe.lr_schedule == "constant":
             return 1.0
-        if step >= budget:  # a safety-net epoch: the step of the budget's last epoch at the same position
+        if step >= budget:  # extra epochs replay the budget's last one: lr 0 would train nothing
             step = budget - steps_per_epoch + (step - budget) % steps_per_epoch
         if step < warmup:
             return (step + 1) / warmup
@@ -344,8 +306,6 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
 
 
 def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size: int, steps_per_epoch: int):
-    """(lr, optimizer, scheduler, criterion) of a run: the linearly scaled rate, SGD, the per-step
-    schedule, and the loss (cross-entropy with the recipe's label smoothing)."""
     lr = scaled_lr(recipe, global_batch_size)
     optimizer = build_optimizer(raw_model, recipe, lr)
     scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
