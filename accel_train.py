@@ -1,36 +1,27 @@
-"""Hugging Face Accelerate version of raw_ddp.py: the same training of the course WideResNet on CIFAR-10.
+"""Hugging Face Accelerate version of raw_ddp.py, section by section; `# A1.<n>` marks what replaces `# R1.<n>` there.
 
-The launcher (accelerate launch, or torchrun) starts the processes; Accelerator() reads its environment,
-joins the process group and picks the device; accelerator.prepare shards the data and wraps the model in
-DDP. Sections and helper names mirror raw_ddp.py (diff the two files); `# A1.<n>` marks what replaces the
-hand-written step `# R1.<n>` there. docs/accelerate.md has the side-by-side table and the CPU traps.
-
-Launch (configs in accelerate_configs/; the flags after accel_train.py are this script's):
-
-    # 1 node x 2 GPUs, bf16 autocast (single_gpu.yaml: 1 GPU)
+    # 1 node x 2 GPUs
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --data-dir data
 
-    # 2 nodes x 4 GPUs: the same command on each node, only --machine_rank differs (0, 1)
+    # 2 nodes x 4 GPUs: only --machine_rank differs
     accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank 0 \
         --main_process_ip node0 --main_process_port 29500 accel_train.py --data-dir data
 
-    # Slurm, one task per node (MASTER_ADDR and MASTER_PORT exported by the batch script)
+    # Slurm, one task per node
     srun --ntasks-per-node=1 bash -c 'accelerate launch --config_file accelerate_configs/multi_node.yaml \
         --machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
         accel_train.py --data-dir data'
 
-    # 2 CPU processes (gloo), a small smoke run. --cpu (or ACCELERATE_USE_CPU=1) is needed: docs/accelerate.md
+    # 2 CPU processes (gloo): --cpu, or ACCELERATE_USE_CPU=1, is needed
     accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --cpu --data-dir data \
         --train-subset 2000 --val-subset 1000 --epochs 2
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 accel_train.py ...    # torchrun works too
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 accel_train.py ...
     python accel_train.py --data-dir data                                  # 1 process, no launcher
 
-Every recipe key and flag works as in raw_ddp.py. Checkpoints are accelerator.save_state folders published
-atomically through DIR/LATEST. Preemption: SIGUSR1 to the ranks, or SIGTERM to `accelerate launch` (SIGUSR1
-would kill its torchrun agent); the ranks checkpoint within ~2 s (or a step) and exit 75. Details: docs/accelerate.md.
+Preemption: SIGTERM to `accelerate launch` (SIGUSR1 kills its agent), or SIGUSR1 to the ranks.
 """
 
-# ============================================================================ setup
+# ==== setup
 import argparse
 import dataclasses
 import os
@@ -108,42 +99,34 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
         default=600.0,
         help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)",
     )
-    add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
+    add_training_flags(p)
     return p.parse_args(argv)
 
 
 def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.device]:
-    """A1.2 + A1.3 + A1.7: Accelerator() reads RANK/WORLD_SIZE/LOCAL_RANK from the launcher's environment,
-    joins the process group (nccl, or gloo on the CPU) and picks this process's device, cuda:<local_rank>."""
-    import torch._dynamo as _  # noqa: F401  before the group forms: loaded later, it outlives it (raw_ddp.py)
+    """A1.2 + A1.3 + A1.7: Accelerator() joins the launcher's group and picks the device."""
+    import torch._dynamo as _  # noqa: F401  (as in raw_ddp.py)
 
     try:
         accelerator = Accelerator(
             cpu=args.cpu,
-            mixed_precision="bf16" if recipe.precision == "bf16" else "no",  # autocast; weights stay fp32
-            # A1.5 + A1.6: prepare() turns the shuffling sampler into a SeedableRandomSampler seeded with
-            # recipe.seed + epoch (the same order on every rank, a new one each epoch) and shards its batches.
+            mixed_precision="bf16" if recipe.precision == "bf16" else "no",
+            # A1.5 + A1.6: the same shuffle on every rank, a new one each epoch
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
             ),
-            # build_scheduler counts one process's steps (Accelerate would step it num_processes times per step)
-            step_scheduler_with_optimizer=False,
-            # recipe.compile: prepare() wraps the DDP model in torch.compile; the recipe decides, not the config
+            step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
             kwargs_handlers=[
-                # A1.8: the DDP settings; those raw_ddp.py passes to DDP(...) and register_comm_hook by hand.
+                # A1.8
                 DistributedDataParallelKwargs(
-                    broadcast_buffers=True,
-                    bucket_cap_mb=25,
-                    find_unused_parameters=False,
                     gradient_as_bucket_view=recipe.ddp_bucket_view,
                     static_graph=recipe.ddp_static_graph,
-                    # half the bytes on the wire; the average is rounded to bf16
                     comm_hook=DDPCommunicationHookType.BF16
                     if recipe.grad_compression == "bf16"
                     else DDPCommunicationHookType.NO,
                 ),
-                InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout)),  # A1.3: finite
+                InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout)),  # A1.3
             ],
         )
     except dist.DistError as exc:
@@ -158,47 +141,43 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
     problem = accelerate_launch_problem(
         accelerator.num_processes, accelerator.distributed_type.value, accelerator.device.type, accelerate.__version__
     )
-    if problem:  # refuse to train when Accelerate did not join the processes the launch started (every rank sees it)
-        raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")  # printed once per node
+    if problem:
+        raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")
     device = accelerator.device
     if device.type == "cpu":
-        # The processes on this node share its cores: without this each would start one thread
-        # per core and the oversubscribed machine runs several times slower.
+        # the node's processes share its cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(accelerator.num_processes)))
         if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
-            accelerator.print("warning: CUDA is not available: running on the CPU", file=sys.stderr)  # once a node
-        if warning := slow_bf16_warning(device.type, recipe.precision):  # a CPU without AVX-512 would crawl unsaid
-            accelerator.print(warning, file=sys.stderr)  # once a node
-        if recipe.sync_bn:  # resolve() refuses it too where it can tell; this catches a launch without CUDA
+            accelerator.print("warning: CUDA is not available: running on the CPU", file=sys.stderr)
+        if warning := slow_bf16_warning(device.type, recipe.precision):
+            accelerator.print(warning, file=sys.stderr)
+        if recipe.sync_bn:
             raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return accelerator, accelerator.process_index, accelerator.num_processes, device
 
 
-# ============================================================================ data
+# ==== data
 def build_data(args, recipe, accelerator, rank: int, world_size: int, device) -> Loaders:
-    # A1.4: one process per node downloads (if needed); the others wait until it has left the block,
-    # so that nobody reads a half-written file. (One per node, because nodes may not share a disk.)
+    # A1.4: one process per node downloads, the others wait
     with accelerator.local_main_process_first():
         downloads = accelerator.is_local_main_process and not dataset_present(args.data_dir)
-        fetched = download_cifar10(args.data_dir) if downloads else None  # None, or why it failed
+        fetched = download_cifar10(args.data_dir) if downloads else None
     train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
-    # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
-    # waiting in prepare()'s DDP constructor (a collective) until --dist-timeout. So all ranks share their answer.
+    # stop together, or the others wait until --dist-timeout
     problems = gather_object([problem and f"node {rank // local_world_size(accelerator.num_processes)}: {problem}"])
     if agreed_problem(problems):
-        raise AgreedError(agreed_problem(problems), accelerator.is_local_main_process, fetched)  # one line a node
-    train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)  # on the device, or per image
-    options = loader_options(recipe, device, rank)  # workers or not; a random generator of its own (cifar_wrn/data.py)
+        raise AgreedError(agreed_problem(problems), accelerator.is_local_main_process, fetched)
+    train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)
+    options = loader_options(recipe, device, rank)
     if recipe.data_pipeline == "device":
-        # NOT prepared: prepare() would deal this BatchSampler's batches out to the ranks, each rank getting 1/W of
-        # its own shard; so the sharding stays explicit, as in raw_ddp.py (docs/accelerate.md explains).
+        # not prepared: prepare() would shard these already sharded batches again
         train_sampler = DistributedSampler(
             train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=recipe.seed
         )
         val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
         val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # A1.5 (by hand)
+        train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # A1.5
         val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)
         data = Loaders(
             train_set,
@@ -211,82 +190,70 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
             real_sample_mask(val_sampler),
         )
     else:
-        # Plain loaders over the whole data set. drop_last: a short last batch would change the step size
-        # of that step and can leave BatchNorm a single image.
         train_loader = DataLoader(train_set, batch_size=recipe.batch_size, shuffle=True, drop_last=True, **options)
         val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, **options)
-        # A1.5: rank r gets batches r, r + W, r + 2W, ... of the shuffled order, moved to its device. The
-        # validation loader is padded with repeats to equal length; gather_for_metrics drops them again.
+        # A1.5: rank r gets batches r, r + W, ...
         train_loader, val_loader = accelerator.prepare(train_loader, val_loader)  # A1.5
         data = Loaders(train_set, train_loader, val_loader, len(val_set), len(train_loader))
     require_a_step(data.steps_per_epoch, len(train_set), world_size, recipe.batch_size)
-    data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)  # bn_recalibration (or [])
+    data.recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)
     return data
 
 
-# ============================================================================ model
+# ==== model
 def build_model(args, recipe, accelerator, device):
-    """(model, raw_model, eval_model): the prepared (DDP-wrapped) model that trains, the plain WideResNet
-    inside it, and the one the epoch loop evaluates and --save writes (raw_model, or its moving average)."""
-    set_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    """The DDP model, the WideResNet inside it, and the model evaluated and saved."""
+    set_seed(recipe.seed)
     model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
-    if recipe.sync_bn:  # batch statistics over the global batch, at the cost of a collective per BN layer
+    if recipe.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    model = model.to(device, memory_format=memory_format)  # prepare() would move it; the layout is ours
+    model = model.to(device, memory_format=memory_format)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
-    # Made before prepare(), so that the copy is a plain WideResNet (prepare gives the model an autocast forward).
-    ema_model = None if recipe.ema_decay == 0 else build_ema(model, recipe.ema_decay)  # warms up
-    # A1.7 + A1.8: prepare moves the model to accelerator.device and wraps it in DDP (hooks that average
-    # gradients over all ranks during backward; the bf16 comm hook; torch.compile with recipe.compile); with
-    # bf16 its forward also runs under autocast.
+    # before prepare(): a plain WideResNet copy
+    ema_model = None if recipe.ema_decay == 0 else build_ema(model, recipe.ema_decay)
+    # A1.7 + A1.8: to the device, in DDP
     model = accelerator.prepare(model)  # A1.8
-    raw_model = accelerator.unwrap_model(model)  # the plain WideResNet (autocast kept): evaluation, saving
-    # From here on a different random stream per rank (seed + rank) for augmentation and dropout: identical
-    # streams would crop and drop the same way on every rank and waste part of the extra data.
-    set_seed(recipe.seed, device_specific=True)
+    raw_model = accelerator.unwrap_model(model)
+    set_seed(recipe.seed, device_specific=True)  # from here on, each rank augments differently
     return model, raw_model, ema_model or raw_model
 
 
-# ============================================================================ train
+# ==== train
 @dataclasses.dataclass
 class TrainingRun:
-    """One rank's training: what a checkpoint holds besides the progress (the accelerator keeps the model,
-    optimizer and scheduler it prepared), and whose it is."""
-
     rank: int
     world_size: int
     device: torch.device
     accelerator: Accelerator
     raw_model: torch.nn.Module
-    eval_model: torch.nn.Module  # raw_model, or its moving average
+    eval_model: torch.nn.Module
     data: Loaders
 
 
 def train_process(args: argparse.Namespace, recipe) -> None:
-    """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
-    install_stop_handlers()  # SIGUSR1/SIGTERM: checkpoint at the next agreement, then exit (cifar_wrn/resilience.py)
+    install_stop_handlers()
     accelerator, rank, world_size, device = join_process_group(args, recipe)  # A1.2, A1.3, A1.7
-    is_main, show = rank == 0, show_progress(args, rank == 0)  # only rank 0 prints, writes files, shows a bar
+    is_main, show = rank == 0, show_progress(args, rank == 0)
     try:
         data = build_data(args, recipe, accelerator, rank, world_size, device)  # A1.4, A1.5
         model, raw_model, eval_model = build_model(args, recipe, accelerator, device)  # A1.8
         per_device_batch_size, global_batch_size = recipe.batch_size, recipe.batch_size * world_size
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
-        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # A1.8: stepped with the prepared model
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # A1.8
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
         memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
         run = TrainingRun(rank, world_size, device, accelerator, raw_model, eval_model, data)
         if (progress := resume(args, recipe, run)) is None:
-            return  # that run had already finished
+            return
         log = open_log(args, recipe, run, lr, progress)
         guard = StepGuard(rank, world_size, device)
-        timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
-        done, images, labels = False, None, None  # images, labels: the last batch, for --profile
-        for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
+        timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
+        done, images, labels = False, None, None
+        for epoch in progress.epochs(recipe):
             epoch_loader = epoch_batches(accelerator, data, epoch, progress.step)  # A1.6: a new shuffle each epoch
             model.train()
-            t0 = timer.start(device)  # the epoch's clock: training only, validation is outside
+            t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
             for step, (images, labels) in enumerate(epoch_loader, start=progress.step):
                 images = images.to(device, non_blocking=True, memory_format=memory_format)
@@ -296,42 +263,34 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                     loss = criterion(model(images), labels)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)  # DDP all-reduces gradient buckets here, overlapped with backward
+                accelerator.backward(loss)  # DDP all-reduces the gradients here
                 timer.mark("backward")
-                if recipe.grad_clip_norm:  # on the averaged gradient, so every rank clips by the same factor
+                if recipe.grad_clip_norm:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-                optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
+                optimizer.step()
                 timer.mark("optimizer")
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
                 if guard.check(
-                    loss,
-                    epoch,
-                    step,
-                    data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
-                    lambda flags: accelerator.reduce(flags, reduction="sum"),
+                    loss, epoch, step, data.steps_per_epoch, lambda flags: accelerator.reduce(flags, reduction="sum")
                 ):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
-                    raise preempted(
-                        epoch,
-                        step,
-                        args.checkpoint_dir and save_checkpoint(args, recipe, run, at),
-                    )
-                bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
+                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
+                bar.step(loss)
                 timer.mark("other")
             bar.close()
             recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: t.copy_(accelerator.reduce(t, "mean")))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
-            profile = timer.totals()  # {} unless --profile
-            last_loss = lambda x=images, y=labels: criterion(model(x), y)  # the last batch's (prepare() autocasts)
+            profile = timer.totals()
+            last_loss = lambda x=images, y=labels: criterion(model(x), y)  # prepare() autocasts
             comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
-            # =============================================================== evaluate
+            # ==== evaluate
             images_per_sec = torch.tensor(
                 [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
             )
-            images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: a SUM: each rank, other images
+            images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: throughputs add up
             val_loss, val_accuracy = validate(accelerator, eval_model, data, device, recipe, show)  # A1.9
             metrics = {
                 "epoch": epoch + 1,
@@ -341,8 +300,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 "val_loss": val_loss,
                 "val_accuracy": val_accuracy,
             }
-            done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
-            if is_main:  # A1.10: one line per epoch, from rank 0 only
+            done = progress.end_epoch(metrics, recipe)
+            if is_main:  # A1.10
                 print(epoch_line(metrics), flush=True)  # A1.10
                 if args.profile:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
@@ -351,27 +310,23 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 save_checkpoint(args, recipe, run, progress, finished=done)
             if done:
                 break
-        if is_main:  # A1.10: "Early stopping after epoch N", or the target not reached
+        if is_main:  # A1.10
             print(final_line(progress, recipe, done), flush=True)
-        # =================================================================== teardown
-        if args.save:  # accelerator.save writes on the main process only; no "module." prefix: loads into WideResNet
+        # ==== teardown
+        if args.save:  # main process only
             accelerator.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
-        accelerator.end_training()  # A1.3: destroys the process group
+        accelerator.end_training()  # A1.3
 
 
-# ============================================================================ helpers
+# ==== helpers
 def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool) -> tuple[float, float]:
-    """Exact validation loss and accuracy over the whole validation set, the same on every rank."""
-    # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the last step
-    # each rank's differ by one update. Take rank 0's, the ones --save writes. (Only the network's
-    # buffers: an EMA's update counter is the same on every rank.)
+    """Exact validation loss and accuracy, the same on every rank."""
+    # BatchNorm buffers end a step apart: take rank 0's
     broadcast(list(evaluated_network(eval_model).buffers()), from_process=0)
-    autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # the EMA copy has no autocast forward
-    # A1.9: the device pipeline's explicit DistributedSampler gives sums over this rank's real images, and
-    # summed sums and counts keep their ratio exact; the prepared loader's batches are gathered per batch
-    # (gather_for_metrics collects every rank's per-image results and drops the padding repeats).
+    autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # the EMA copy does not autocast
+    # A1.9: sums over real images, or every rank's batches gathered
     totals = evaluate(
         eval_model,
         validation_bar(show, data.val_loader),
@@ -384,27 +339,25 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     )  # A1.9
     if data.val_mask is not None:
         totals = accelerator.reduce(totals, reduction="sum")  # A1.9
-    if round(totals[2].item()) != data.val_images:  # exactness check: every image counted exactly once
+    if round(totals[2].item()) != data.val_images:
         raise RuntimeError(f"validation counted {totals[2].item()} images, expected {data.val_images}")
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
 def epoch_batches(accelerator, data: Loaders, epoch: int, skip: int):
-    """This epoch's batches, less the `skip` a mid-epoch checkpoint already trained."""
-    if data.train_sampler is not None:  # the device pipeline's explicit sampler, as in raw_ddp.py
-        data.train_sampler.set_epoch(epoch)  # the same new shuffle on every rank
+    """This epoch's batches, less the `skip` already trained."""
+    if data.train_sampler is not None:
+        data.train_sampler.set_epoch(epoch)
         data.train_batches.skip = skip
         return data.train_loader
-    # A1.6: set_epoch(epoch) seeds the SeedableRandomSampler with seed + epoch. (A `for` over the prepared
-    # loader counts its passes and sets them itself; a resumed run starts counting at 0.)
+    # A1.6: seed + epoch (the loader's own count restarts at 0 on resume)
     data.train_loader.set_epoch(epoch)
     return accelerator.skip_first_batches(data.train_loader, skip) if skip else data.train_loader
 
 
 def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
-    """--profile, outside the epoch's clock: the seconds DDP's all-reduce added to this epoch's backward passes
-    (`forward`'s loss backward with it and inside accelerator.no_sync(model); cifar_wrn/profiling.py)."""
-    if not (args.profile and steps_run):  # no step run: a resume at the epoch's last step
+    """--profile: the seconds DDP's all-reduce added to this epoch."""
+    if not (args.profile and steps_run):
         return 0.0
     accelerator = run.accelerator
     return steps_run * allreduce_cost(
@@ -413,7 +366,6 @@ def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -
 
 
 def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
-    """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     accelerator = run.accelerator
     per_node = local_world_size(accelerator.num_processes)
     num_nodes = accelerator.num_processes // per_node
@@ -443,26 +395,23 @@ def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> J
     return log
 
 
-# ============================================================================ checkpoint
+# ==== checkpoint
 def resume(args, recipe, run: TrainingRun) -> Progress | None:
-    """Where this run starts: from scratch, or exactly where a checkpoint left off; None if that run had
-    already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
-    one (or none): never resume some ranks while others start from scratch."""
-    rank, world_size, device, accelerator, data = run.rank, run.world_size, run.device, run.accelerator, run.data
-    raw_model, eval_model = run.raw_model, run.eval_model
+    """Where this run starts (None: it had finished); all ranks agree on the checkpoint."""
+    rank, world_size, data = run.rank, run.world_size, run.data
     if not (args.resume or args.auto_resume):
         return Progress()
     folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
-    if state is not None:  # each rank loads its part (its own random states) before the ranks agree
+    if state is not None:
         problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
             restore_accel,
-            accelerator,
+            run.accelerator,
             folder,
             state,
-            device.type,
-            eval_model if eval_model is not raw_model else None,
+            run.device.type,
+            run.eval_model if run.eval_model is not run.raw_model else None,
             data.train_set.generator if data.train_sampler is not None else None,
-        )  # the device pipeline's stream
+        )
     problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
     if problem:
         raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
@@ -481,9 +430,8 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
 
 
 def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
-    """All ranks: save_state into DIR/.incomplete, then the main process publishes it (publish_checkpoint).
-    Returns the checkpoint's folder."""
-    rank, world_size, device, accelerator, data = run.rank, run.world_size, run.device, run.accelerator, run.data
+    """All ranks save_state into DIR/.incomplete, then the main process publishes it."""
+    rank, world_size, device, data = run.rank, run.world_size, run.device, run.data
     raw_model, eval_model = run.raw_model, run.eval_model
     pipeline = gather_object([data.train_set.generator.get_state() if data.train_sampler is not None else None])
     state = {
@@ -498,33 +446,30 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
         "ema": eval_model.state_dict() if eval_model is not raw_model else None,
     }
     incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
-    leftover = incomplete if rank == 0 else None  # after a failure rank 0 removes the half-written folder
-    # Each step's outcome on every rank (also the barrier): any failure, whatever raised it, stops all together.
+    leftover = incomplete if rank == 0 else None
+    # each step's outcome to all ranks (also the barrier)
     stop_unless_written(gather_object([failure(fresh_folder, incomplete) if rank == 0 else None]), args.checkpoint_dir)
-    problem = failure(write_folder, accelerator.save_state, incomplete, state if rank == 0 else None)
+    problem = failure(write_folder, run.accelerator.save_state, incomplete, state if rank == 0 else None)
     stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
     problem = failure(publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
-    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)  # none goes on before LATEST names it
+    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
     return latest_checkpoint(args.checkpoint_dir)
 
 
-# ============================================================================ launch
+# ==== launch
 def check_launch(args) -> None:
-    """Every mistake we can see before joining the process group, as one clear UserError."""
-    check_training_flags(args)  # cifar_wrn/cli.py; --resume without a checkpoint: resume(), where all ranks agree
+    check_training_flags(args)
 
 
 def run_process(args, recipe) -> None:
-    """train_process, each failure reported by the rank it happened in (cifar_wrn/errors.py)."""
-    rank = os.environ.get("RANK", "0")  # the launcher's numbering, the same as accelerator.process_index
+    rank = os.environ.get("RANK", "0")
     run_reporting_failures(lambda: train_process(args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError))
 
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
-    """Read the recipe (flags and --set override it; so does bf16 from the launch config), check the flags."""
+    """Fill in what the launch implies, check it, read the recipe."""
     recipe = recipe_from_args(args)
-    # accelerate launch passes the config's mixed_precision (or --mixed_precision) in this variable; 'no' is
-    # also its default, so only bf16 counts as a request. It overrides the recipe like a flag would.
+    # 'no' is also the launcher's default: only bf16 overrides the recipe
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     args.precision_note = None
     if launch_precision not in ("no", "bf16"):
@@ -549,5 +494,5 @@ if __name__ == "__main__":
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    # A1.11: no spawning here: the launcher (accelerate launch / torchrun) started one process per GPU.
+    # A1.11: the launcher started one process per GPU
     run_process(args, recipe)

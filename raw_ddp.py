@@ -1,32 +1,28 @@
-"""Hand-written PyTorch DistributedDataParallel (DDP): the course WideResNet on CIFAR-10.
+"""Hand-written PyTorch DDP training of the course WideResNet on CIFAR-10; `# R1.<n>` marks each course step.
 
-One process per GPU (or per CPU share). Each required step is tagged `# R1.<n>`; grep for it.
-
-Launch:
-
-    # 1 node x 2 GPUs, the course's main job (mp.spawn starts 2 processes)
+    # 1 node x 2 GPUs
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
 
-    # the same on a CPU-only machine: 2 processes, gloo, a small smoke run
+    # 2 CPU processes (gloo)
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --device cpu --data-dir data \
         --train-subset 2000 --val-subset 1000 --epochs 2
 
-    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs
+    # 2 nodes x 4 GPUs: only --node-id differs
     python raw_ddp.py --num-nodes 2 --node-id 0 --num-gpus 4 --master-addr node0 --master-port 29500
     python raw_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --master-port 29500
 
-    # Slurm, one task per node (slurm/raw_multinode.sbatch sets MASTER_ADDR and MASTER_PORT)
+    # Slurm, one task per node
     srun --ntasks-per-node=1 bash -c 'python raw_ddp.py --num-nodes $SLURM_NNODES \
         --node-id $SLURM_NODEID --num-gpus 4'
 
-    # torchrun instead of mp.spawn: RANK, LOCAL_RANK and WORLD_SIZE come from the environment
+    # or torchrun
     torchrun --nproc_per_node 2 raw_ddp.py --data-dir data
 
-    # the challenge recipe (docs/optimizations.md); checkpoints every epoch, resumable after preemption
+    # the challenge recipe, resumable
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --recipe fast --checkpoint-dir ckpt --auto-resume
 """
 
-# ============================================================================ setup
+# ==== setup
 import argparse
 import os
 import signal
@@ -118,41 +114,38 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
         default="auto",
         help="auto: CUDA when available, else CPU with a warning (default auto)",
     )
-    add_training_flags(p)  # --data-dir, --recipe, --epochs, ... (cifar_wrn/cli.py)
-    p.set_defaults(launcher_store=False)  # True once the launcher holds the store (__main__)
+    add_training_flags(p)
+    p.set_defaults(launcher_store=False)
     return p.parse_args(argv)
 
 
 def world_size_and_rank(num_nodes: int, num_gpus: int, node_id: int, local_rank: int) -> tuple[int, int]:
-    world_size = num_nodes * num_gpus  # R1.2: every process on every node
-    rank = node_id * num_gpus + local_rank  # R1.2: node 0 holds ranks 0..num_gpus-1, node 1 the next, ...
+    world_size = num_nodes * num_gpus  # R1.2
+    rank = node_id * num_gpus + local_rank  # R1.2
     return world_size, rank
 
 
 def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
-    """This process's rank, the world size and its device, once it has joined every other process."""
     world_size, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)  # R1.2
-    # R1.7: pin this process to its own GPU, cuda:<local_rank>, before any CUDA work.
+    # R1.7: pin to one GPU before any CUDA work
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)  # R1.7
         device = torch.device(f"cuda:{local_rank}")  # R1.7
         backend = "nccl"
     else:
-        device = torch.device("cpu")  # R1.7: on CPU runs every process uses the CPU
+        device = torch.device("cpu")  # R1.7
         backend = "gloo"
-        # The processes on this node share its cores: without this each would start one thread
-        # per core and the oversubscribed machine runs several times slower.
+        # the node's processes share its cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))
-    # Loaded later (DDP's constructor, torchvision), torch._dynamo keeps the group alive past destroy_process_group,
-    # and its threads, torn down at exit, can abort the process (SIGABRT).
+    # before the group forms, or torch._dynamo outlives it and can abort the exit
     import torch._dynamo as _  # noqa: F401
 
-    # R1.3: join the process group (nccl on GPUs, gloo on CPUs): every rank connects to node 0's address and port.
-    timeout = timedelta(seconds=args.dist_timeout)  # finite: a lost peer ends the run
+    # R1.3
+    timeout = timedelta(seconds=args.dist_timeout)
     try:
         if launched_by_torchrun():
             meet = dict(init_method="env://")
-        elif args.launcher_store:  # the launcher holds the store (__main__): each rank is a client of it
+        elif args.launcher_store:
             meet = dict(store=dist.TCPStore(args.master_addr, args.master_port, world_size, False, timeout=timeout))
         else:
             meet = dict(init_method=f"tcp://{args.master_addr}:{args.master_port}")
@@ -164,7 +157,7 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
             device_id=device if backend == "nccl" else None,
             **meet,
         )
-    except dist.DistError as exc:  # timed out waiting for peers, or could not reach node 0
+    except dist.DistError as exc:
         where = f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
         raise group_not_formed(
             f"rank {rank}: ",
@@ -177,35 +170,28 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-# ============================================================================ data
+# ==== data
 def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device) -> Loaders:
-    # R1.4: one process per node downloads (if needed); the rest wait at the barrier so that
-    # nobody reads a half-written file. (One per node, because nodes may not share a disk.)
+    # R1.4: one process per node downloads, the others wait
     fetched = download_cifar10(args.data_dir) if local_rank == 0 and not dataset_present(args.data_dir) else None
     dist.barrier()  # R1.4
     train_data, val_data, problem = load_splits(args.data_dir, args.train_subset, args.val_subset)
-    # Every rank must have the data before any goes on: a rank that stopped alone would leave the others
-    # waiting in DDP's constructor (a collective) until --dist-timeout. So all ranks share their answer.
+    # stop together, or the others wait until --dist-timeout
     problems = [None] * world_size
     dist.all_gather_object(problems, problem and f"node {args.node_id}: {problem}")
     if agreed_problem(problems):
-        raise AgreedError(agreed_problem(problems), local_rank == 0, fetched)  # all stop; one line per node
-    train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)  # on the device, or per image
-    # R1.5: each rank reads its own 1/world_size shard. The sampler shuffles with the same seed
-    # on every rank (so the shards stay disjoint) and pads to equal length (so every rank runs
-    # the same number of steps: DDP needs all ranks in every all-reduce).
+        raise AgreedError(agreed_problem(problems), local_rank == 0, fetched)
+    train_set, val_set = make_datasets(train_data, val_data, recipe, device, rank)
+    # R1.5: disjoint shards, padded to the same number of steps
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=recipe.seed)
     val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
-    # drop_last: a short last batch would change the step size of that step and can leave
-    # BatchNorm a single image; every step then has exactly global_batch_size images.
-    # SkipFirst lets a run resumed in the middle of an epoch leave out the batches already trained.
     train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
     val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-    options = loader_options(recipe, device, rank)  # workers or not; a random generator of its own (cifar_wrn/data.py)
-    if recipe.data_pipeline == "device":  # the dataset returns whole batches: no collation, no workers
+    options = loader_options(recipe, device, rank)
+    if recipe.data_pipeline == "device":
         train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # R1.5
         val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)  # R1.5
-    else:  # per-image transforms, in worker processes on GPU runs
+    else:
         train_loader = DataLoader(train_set, batch_sampler=train_batches, **options)  # R1.5
         val_loader = DataLoader(val_set, batch_sampler=val_batches, **options)  # R1.5
     require_a_step(len(train_batches.batches), len(train_set), world_size, recipe.batch_size)
@@ -217,60 +203,54 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
         len(train_batches.batches),
         train_sampler,
         train_batches,
-        real_sample_mask(val_sampler),  # the mask leaves out padding
+        real_sample_mask(val_sampler),
         recalibration_batches(train_set, recipe, rank, world_size, device),
-    )  # bn_recalibration (or [])
+    )
 
 
-# ============================================================================ model
+# ==== model
 def build_model(args, recipe, rank: int, local_rank: int, device):
-    """(model, raw_model, eval_model): the DDP-wrapped model that trains, the plain WideResNet inside it,
-    and the one the epoch loop evaluates and --save writes (raw_model, or its moving average)."""
-    torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    """The DDP model, the WideResNet inside it, and the model evaluated and saved."""
+    torch.manual_seed(recipe.seed)
     raw_model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
-    if recipe.sync_bn:  # batch statistics over the global batch, at the cost of a collective per BN layer
+    if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
     raw_model = raw_model.to(device, memory_format=memory_format)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
-    # R1.8: DDP registers hooks that average gradients over all ranks during backward.
+    # R1.8
     model = DDP(
         raw_model,
         device_ids=[local_rank] if device.type == "cuda" else None,  # R1.8
         gradient_as_bucket_view=recipe.ddp_bucket_view,
         static_graph=recipe.ddp_static_graph,
     )
-    if recipe.grad_compression == "bf16":  # half the bytes on the wire; the average is rounded to bf16
+    if recipe.grad_compression == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    eval_model = raw_model if recipe.ema_decay == 0 else build_ema(raw_model, recipe.ema_decay)  # warms up
-    if recipe.compile:  # compile time counts in epoch 1
+    eval_model = raw_model if recipe.ema_decay == 0 else build_ema(raw_model, recipe.ema_decay)
+    if recipe.compile:
         model = torch.compile(model)
-    # From here on a different random stream per rank for augmentation and dropout: identical streams
-    # would crop and drop the same way on every rank and waste part of the extra data.
-    torch.manual_seed(recipe.seed + rank)
+    torch.manual_seed(recipe.seed + rank)  # from here on, each rank augments differently
     return model, raw_model, eval_model
 
 
-# ============================================================================ train
+# ==== train
 @dataclass
 class TrainingRun:
-    """One rank's training: what a checkpoint holds besides the progress, and whose it is."""
-
     rank: int
     world_size: int
     device: torch.device
     raw_model: torch.nn.Module
-    eval_model: torch.nn.Module  # raw_model, or its moving average
+    eval_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: Loaders
 
 
 def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
-    """Everything one process does, from joining the group to leaving it. Runs once per GPU."""
-    install_stop_handlers()  # SIGUSR1/SIGTERM: checkpoint at the next agreement, then exit (cifar_wrn/resilience.py)
+    install_stop_handlers()
     rank, world_size, device = join_process_group(local_rank, args)  # R1.2, R1.3, R1.7
-    is_main, show = rank == 0, show_progress(args, rank == 0)  # only rank 0 prints, writes files, shows a bar
+    is_main, show = rank == 0, show_progress(args, rank == 0)
     try:
         data = build_data(args, recipe, rank, world_size, local_rank, device)  # R1.4, R1.5
         model, raw_model, eval_model = build_model(args, recipe, rank, local_rank, device)  # R1.8
@@ -280,16 +260,16 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
         run = TrainingRun(rank, world_size, device, raw_model, eval_model, optimizer, scheduler, data)
         if (progress := resume(args, recipe, run)) is None:
-            return  # that run had already finished
+            return
         log = open_log(args, recipe, run, lr, progress)
         guard = StepGuard(rank, world_size, device)
-        timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)  # --profile, --trace
-        done, images, labels = False, None, None  # images, labels: the last batch, for --profile
-        for epoch in progress.epochs(recipe):  # the budget, then the safety net's epochs (extra_epochs)
-            data.train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch, the same on every rank
+        timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
+        done, images, labels = False, None, None
+        for epoch in progress.epochs(recipe):
+            data.train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch
             data.train_batches.skip = progress.step
             model.train()
-            t0 = timer.start(device)  # the epoch's clock: training only, validation is outside
+            t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
             for step, (images, labels) in enumerate(data.train_loader, start=progress.step):
                 images = images.to(device, non_blocking=True, memory_format=memory_format)
@@ -299,53 +279,45 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                     loss = criterion(model(images), labels)
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces gradient buckets here, overlapped with backward
+                loss.backward()  # DDP all-reduces the gradients here
                 timer.mark("backward")
-                if recipe.grad_clip_norm:  # on the averaged gradient, so every rank clips by the same factor
+                if recipe.grad_clip_norm:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-                optimizer.step()  # every rank applies the same averaged gradient: replicas stay identical
+                optimizer.step()
                 timer.mark("optimizer")
                 scheduler.step()
                 if eval_model is not raw_model:
                     eval_model.update_parameters(raw_model)
                 if guard.check(
-                    loss,
-                    epoch,
-                    step,
-                    data.steps_per_epoch,  # stop? diverged? (every 1-10 steps)
-                    lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
+                    loss, epoch, step, data.steps_per_epoch, lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                 ):
                     at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
-                    raise preempted(
-                        epoch,
-                        step,
-                        args.checkpoint_dir and save_checkpoint(args, recipe, run, at),
-                    )
-                bar.step(loss)  # rank 0's progress bar on a terminal; reads the loss only at agreement steps
+                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
+                bar.step(loss)
                 timer.mark("other")
             bar.close()
             recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: dist.all_reduce(t, dist.ReduceOp.AVG))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
-            profile = timer.totals()  # {} unless --profile
-            last_loss = torch.autocast(**autocast)(lambda x=images, y=labels: criterion(model(x), y))  # last batch's
+            profile = timer.totals()
+            last_loss = torch.autocast(**autocast)(lambda x=images, y=labels: criterion(model(x), y))
             comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
-            # =============================================================== evaluate
+            # ==== evaluate
             images_per_sec = torch.tensor(
                 [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
             )
-            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: a SUM: each rank trains on other images
+            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: throughputs add up
             val_loss, val_accuracy = validate(eval_model, data, device, recipe, show)  # R1.9
             metrics = {
                 "epoch": epoch + 1,
                 "cumulative_time": progress.cumulative_time,
                 "epoch_time": epoch_time,
-                "images_per_sec": images_per_sec.item() if is_main else None,  # only rank 0 holds the sum
+                "images_per_sec": images_per_sec.item() if is_main else None,
                 "val_loss": val_loss,
                 "val_accuracy": val_accuracy,
             }
-            done = progress.end_epoch(metrics, recipe)  # marks the metrics if the safety net fires
-            if is_main:  # R1.10: one line per epoch, from rank 0 only
+            done = progress.end_epoch(metrics, recipe)
+            if is_main:  # R1.10
                 print(epoch_line(metrics), flush=True)  # R1.10
                 if args.profile:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
@@ -354,42 +326,39 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 save_checkpoint(args, recipe, run, progress, finished=done)
             if done:
                 break
-        if is_main:  # R1.10: "Early stopping after epoch N", or the target not reached
+        if is_main:  # R1.10
             print(final_line(progress, recipe, done), flush=True)
-        # =================================================================== teardown
-        if is_main and args.save:  # no "module." prefix: loads into WideResNet
+        # ==== teardown
+        if is_main and args.save:
             torch.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
         dist.destroy_process_group()  # R1.3
 
 
-# ============================================================================ helpers
+# ==== helpers
 def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[float, float]:
-    """Exact validation loss and accuracy over the whole validation set, the same on every rank."""
-    # DDP broadcasts rank 0's BatchNorm statistics at the start of each forward, so after the last step
-    # each rank's differ by one update. Take rank 0's, the ones --save writes. (Only the network's
-    # buffers: an EMA's update counter is the same on every rank.)
+    """Exact validation loss and accuracy, the same on every rank."""
+    # BatchNorm buffers end a step apart: take rank 0's
     for buffer in evaluated_network(eval_model).buffers():
         dist.broadcast(buffer, src=0)
     totals = evaluate(
         eval_model,
         validation_bar(show, data.val_loader),
         data.val_mask,
-        device,  # sums, count
+        device,
         torch.bfloat16 if recipe.precision == "bf16" else None,
         recipe.tta_flip,
         recipe.tta_translate,
     )
-    # R1.9: averaging the sums and the count keeps their ratio exact (AVG divides both by world_size).
+    # R1.9: AVG keeps the ratio exact
     dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
 def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
-    """--profile, outside the epoch's clock: the seconds DDP's all-reduce added to this epoch's backward passes
-    (`forward`'s loss backward with it and inside model.no_sync(); cifar_wrn/profiling.py)."""
-    if not (args.profile and steps_run):  # no step run: a resume at the epoch's last step
+    """--profile: the seconds DDP's all-reduce added to this epoch."""
+    if not (args.profile and steps_run):
         return 0.0
     return steps_run * allreduce_cost(
         forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad, run.raw_model, run.device
@@ -397,7 +366,6 @@ def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -
 
 
 def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
-    """Rank 0's JSON-lines log, its header saying how this run was launched (cifar_wrn/runlog.py)."""
     layout = f"{args.num_nodes}x{args.num_gpus}"
     path = run_log_path(args.log_json, args.recipe, layout) if run.rank == 0 else None
     return open_run_log(
@@ -417,16 +385,14 @@ def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> J
     )
 
 
-# ============================================================================ checkpoint
+# ==== checkpoint
 def resume(args, recipe, run: TrainingRun) -> Progress | None:
-    """Where this run starts: from scratch, or exactly where a checkpoint left off; None if that run had
-    already finished. Each rank reads the checkpoint; rank 0's decides, and every rank must see the same
-    one (or none): never resume some ranks while others start from scratch."""
+    """Where this run starts (None: it had finished); all ranks agree on the checkpoint."""
     rank, world_size, data = run.rank, run.world_size, run.data
     if not (args.resume or args.auto_resume):
         return Progress()
     checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
-    if checkpoint is not None:  # each rank loads its part before the ranks agree: one that cannot stops them all
+    if checkpoint is not None:
         problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
             restore_raw, checkpoint, run
         )
@@ -450,22 +416,16 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
 
 
 def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
-    """Rank 0 writes everything needed to continue at `progress`; all ranks wait for it. Returns the path."""
-    rank, world_size, device, raw_model, eval_model, data = (
-        run.rank,
-        run.world_size,
-        run.device,
-        run.raw_model,
-        run.eval_model,
-        run.data,
-    )
+    """Rank 0 writes everything needed to continue at `progress`; all ranks wait for it."""
+    rank, world_size, device, data = run.rank, run.world_size, run.device, run.data
+    raw_model, eval_model = run.raw_model, run.eval_model
     rng = {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "pipeline": data.train_set.generator.get_state() if isinstance(data.train_set, DeviceBatches) else None,
     }
     every_rng = [None] * world_size if rank == 0 else None
-    dist.gather_object(rng, every_rng, dst=0)  # each rank's random state, collected on rank 0
+    dist.gather_object(rng, every_rng, dst=0)
     path, problem = checkpoint_path(args.checkpoint_dir), None
     if rank == 0:
         state = {
@@ -481,16 +441,15 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
             "model_width": args.model_width,
             **data.sizes(),
         }
-        problem = failure(save_atomic, state, path)  # a full disk, whatever torch.save raises for it
+        problem = failure(save_atomic, state, path)
     outcome = [problem]
-    dist.broadcast_object_list(outcome, src=0)  # also the barrier: nobody goes on before the checkpoint is on disk
-    stop_unless_written(outcome, args.checkpoint_dir)  # every rank stops together if it could not be written
+    dist.broadcast_object_list(outcome, src=0)  # also the barrier
+    stop_unless_written(outcome, args.checkpoint_dir)
     return str(path)
 
 
-# ============================================================================ launch
+# ==== launch
 def check_launch(args, cuda_device_count: int) -> None:
-    """Every mistake we can see before starting processes, as one clear UserError."""
     if args.num_nodes < 1:
         raise UserError(f"--num-nodes must be >= 1 (got {args.num_nodes})")
     if not 0 <= args.node_id < args.num_nodes:
@@ -503,7 +462,7 @@ def check_launch(args, cuda_device_count: int) -> None:
         raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
     if args.device == "cuda" and args.num_gpus > cuda_device_count:
         raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
-    check_training_flags(args, writes_outputs=args.node_id == 0)  # cifar_wrn/cli.py
+    check_training_flags(args, writes_outputs=args.node_id == 0)
     if args.master_addr is None:
         raise UserError(
             "--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
@@ -528,23 +487,23 @@ def check_launch(args, cuda_device_count: int) -> None:
 
 
 def resolve(args) -> tuple[argparse.Namespace, object]:
-    """Fill in what the launch implies (device, port, torchrun's ranks), check it, and read the recipe."""
+    """Fill in what the launch implies, check it, read the recipe."""
     recipe = recipe_from_args(args)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    node_main = os.environ.get("LOCAL_RANK", "0") == "0"  # the launcher, or torchrun's local rank 0: once a node
+    node_main = os.environ.get("LOCAL_RANK", "0") == "0"
     if args.device == "auto":
         if cuda_count == 0 and node_main:
             print("warning: CUDA is not available: running on the CPU with the gloo backend", file=sys.stderr)
         args.device = "cuda" if cuda_count else "cpu"
-    if launched_by_torchrun():  # torchrun decided the topology; take it from its environment
+    if launched_by_torchrun():
         args.num_gpus = int(os.environ["LOCAL_WORLD_SIZE"])
         args.num_nodes = int(os.environ["WORLD_SIZE"]) // args.num_gpus
         args.node_id = int(os.environ["RANK"]) // args.num_gpus
         args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
-    elif args.num_nodes == 1:  # a single node can meet at home, on any free port (the launcher takes one below)
+    elif args.num_nodes == 1:
         args.master_addr = args.master_addr or "127.0.0.1"
     check_launch(args, cuda_count)
-    if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:  # else it would crawl unsaid
+    if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
@@ -552,7 +511,6 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
 
 
 def run_process(local_rank: int, args, recipe) -> None:
-    """train_process, each failure reported by the rank it happened in (cifar_wrn/errors.py)."""
     _, rank = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, local_rank)
     run_reporting_failures(
         lambda: train_process(local_rank, args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError)
@@ -568,9 +526,7 @@ if __name__ == "__main__":
     if launched_by_torchrun():
         run_process(int(os.environ["LOCAL_RANK"]), args, recipe)
         sys.exit(0)
-    # R1.11: start one process per GPU on this node; each runs run_process(local_rank, args, recipe).
-    # A stop request to this launcher (Slurm's SIGUSR1 or SIGTERM) is passed on to the ranks as SIGUSR1,
-    # so that they can agree on a step, write a checkpoint and exit with status 75.
+    # R1.11: one process per GPU; stop signals are passed on as SIGUSR1
     ranks = []
 
     def pass_on_stop(signum, frame):
@@ -580,9 +536,7 @@ if __name__ == "__main__":
 
     signal.signal(signal.SIGUSR1, pass_on_stop)
     signal.signal(signal.SIGTERM, pass_on_stop)
-    # R1.3: one node and no port given: this launcher holds the rendezvous store (the key-value store through which
-    # the ranks find each other) on a port the system picks, as torchrun's agent does, so that no other program can
-    # take the port before the ranks meet there.
+    # R1.3: one node, no port: hold the store here, on a port nothing can take first
     args.launcher_store = args.master_port is None
     if args.launcher_store:
         store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)  # R1.3
@@ -590,10 +544,10 @@ if __name__ == "__main__":
     try:
         context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
         ranks.extend(context.processes)
-        while not context.join(grace_period=10):  # when a rank fails, the others get 10 s to report and exit
+        while not context.join(grace_period=10):
             pass
-    except mp.ProcessExitedException as exc:  # a rank ended with an error; mp.spawn has stopped the others
-        if exc.signal_name:  # killed (the OOM killer, say): it could not report anything itself
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name:  # killed: it could not report itself
             _, failed = world_size_and_rank(args.num_nodes, args.num_gpus, args.node_id, exc.error_index)
             print(f"error: rank {failed} was killed by {exc.signal_name}", file=sys.stderr)
         sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
