@@ -146,11 +146,16 @@ def test_the_two_loops_differ_only_where_accelerate_replaces_a_step():
 
 @pytest.mark.parametrize("name", ["raw_ddp.py", "accel_train.py"])
 def test_entry_points_read_on_one_screen(name):
-    """The epoch loop's function is at most 80 lines, every other at most 60, the file at most 450."""
-    functions = function_lines(REPO / name)
-    assert len((REPO / name).read_text().splitlines()) <= 450
-    assert len(functions["train_process"]) <= 80
-    assert {f: len(lines) for f, lines in functions.items() if f != "train_process" and len(lines) > 60} == {}
+    """In non-space characters, a measure the formatter cannot move: the epoch loop's function at most 4,000 (about
+    80 lines of code), every other at most 2,500, the file at most 20,000."""
+
+    def size(text: str) -> int:
+        return len("".join(text.split()))
+
+    functions = {f: size("\n".join(lines)) for f, lines in function_lines(REPO / name).items()}
+    assert size((REPO / name).read_text()) <= 20_000
+    assert functions["train_process"] <= 4_000
+    assert {f: n for f, n in functions.items() if f != "train_process" and n > 2_500} == {}
 
 
 def test_every_required_step_has_an_accelerate_counterpart():
