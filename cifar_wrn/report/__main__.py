@@ -1,0 +1,7 @@
+"""python -m cifar_wrn.report: run logs into the course's report material."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
