@@ -17,6 +17,7 @@ import inspect
 import multiprocessing.process
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -304,7 +305,22 @@ def raw_ddp(*flags, timeout: float = 180, env=None) -> Result:
     return run([sys.executable, "raw_ddp.py", *flags], timeout=timeout, env=env)
 
 
+# The tiny model the tests train: raw_ddp.py's flags (TINY) and accel_train.py's (ACCEL_TINY: its device comes from
+# the launch or --cpu; eval_batch_size 16 gives several validation batches and a remainder).
 TINY = ["--device", "cpu", "--model-width", "4", "--set", "eval_batch_size=64"]
+ACCEL_TINY = ["--model-width", "4", "--set", "eval_batch_size=16"]
+
+# The course's epoch line as both trainers print it (cifar_wrn/runlog.py's epoch_line); group 1: the epoch.
+EPOCH_LINE = re.compile(
+    r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
+    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
+    re.M,
+)
+
+
+def data_flags(data_dir, train=TRAIN_IMAGES, val=VAL_IMAGES) -> list:
+    """The flags that point a trainer at `data_dir` (conftest's synthetic CIFAR-10), `train` and `val` images of it."""
+    return ["--data-dir", data_dir, "--train-subset", train, "--val-subset", val]
 
 
 @pytest.fixture(scope="session")
@@ -444,8 +460,6 @@ def check_slow_bf16_warning(stderr: str):
 
 def check_residual_bn_init(weights_path, gamma: float):
     """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
-    import re
-
     state = torch.load(weights_path)
     last = {k for k in state if re.fullmatch(r"features\.\d+\.body\.2\.1\.weight", k)}
     others = {k for k in state if k.endswith(".weight") and state[k].ndim == 1} - last
@@ -595,9 +609,10 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
 @pytest.fixture(scope="session")
 def rank_1_raises(cifar_dir) -> Result:
     """raw_ddp.py, 2 processes, rank 1 raising in its first loss computation (tests/raise_in_rank/): one run for
-    test_raw_ddp.py's test_worker_that_raises_is_named_with_traceback and test_reliability.py's
-    test_rank_that_raises_ends_the_run_promptly, which launched it with the same flags. --dist-timeout 300: rank 0,
-    were it left waiting, would wait that long, so each test's bound on the run's time tells. The timeout (240 s)
+    test_raw_ddp.py's test_worker_that_raises_is_named_with_traceback (core) and
+    test_rank_that_raises_ends_the_run_promptly (--runslow), which launched it with the same flags.
+    --dist-timeout 300: rank 0, were it left waiting, would wait that long, so each test's bound on the run's time
+    tells. The timeout (240 s)
     only kills a hang; the tests assert their own bounds on result.seconds."""
     return raw_ddp(
         "--num-gpus",

@@ -24,16 +24,18 @@ import psutil
 import pytest
 import torch
 from conftest import (
+    ACCEL_TINY,
+    EPOCH_LINE,
     ONE_STEP,
     REPO,
     TRAIN_IMAGES,
-    VAL_IMAGES,
     check_bn_recalibrated,
     check_metrics_of_saved_weights,
     check_profile,
     check_residual_bn_init,
     check_slow_bf16_warning,
     cpu_env,
+    data_flags,
     finish,
     free_port,
     parameter_distance,
@@ -53,12 +55,6 @@ from cifar_wrn.runlog import read_log
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
-EPOCH_LINE = re.compile(
-    r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
-    re.M,
-)
-TINY = ["--model-width", "4", "--set", "eval_batch_size=16"]  # 16: several validation batches and a remainder
 
 # The parity data: conftest's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
 PARITY_TRAIN, PARITY_VAL, PARITY_EPOCHS = 640, 301, 6
@@ -88,10 +84,6 @@ def accelerate_command(config, *flags) -> list:
 
 def accelerate_launch(config, *flags, env=None):
     return finish(start(accelerate_command(config, *flags), env=env or accel_env()), TIMEOUT)
-
-
-def data_flags(data_dir, train=TRAIN_IMAGES, val=VAL_IMAGES):
-    return ["--data-dir", data_dir, "--train-subset", train, "--val-subset", val]
 
 
 def banners(path: Path) -> list[str]:
@@ -159,11 +151,15 @@ def test_entry_points_read_on_one_screen(name):
 
 
 def test_every_required_step_has_an_accelerate_counterpart():
-    raw = {int(n) for n in re.findall(r"# R1\.(\d+)", (REPO / "raw_ddp.py").read_text())}
+    """Each `# R1.<n>` of raw_ddp.py (as the report reads them) has its `# A1.<n>` in accel_train.py, and
+    docs/accelerate.md names every step: R1.1 itself, not only R1.10 or R1.11, which begin with it."""
+    from cifar_wrn.report import ddp_steps
+
+    raw = {int(step.split(".")[1]) for step, _ in ddp_steps()}
     accel = {int(n) for n in re.findall(r"# A1\.(\d+)", (REPO / "accel_train.py").read_text())}
     assert accel == raw == set(range(1, 12))
     doc = (REPO / "docs" / "accelerate.md").read_text()
-    assert all(f"R1.{n}" in doc for n in range(1, 12))
+    assert [n for n in range(1, 12) if not re.search(rf"\bR1\.{n}(?!\d)", doc)] == []
 
 
 def test_launch_bf16_overrides_recipe_and_other_precisions_are_refused(monkeypatch):
@@ -203,7 +199,7 @@ def parity_dir(tmp_path_factory) -> Path:
 def parity_flags(data_dir, log):
     return [
         *data_flags(data_dir, PARITY_TRAIN, PARITY_VAL),
-        *TINY,
+        *ACCEL_TINY,
         "--epochs",
         PARITY_EPOCHS,
         "--seed",
@@ -309,7 +305,7 @@ def bf16_profile_run(cifar_dir, tmp_path_factory):
     result = accelerate_launch(
         CONFIGS / "two_gpus.yaml",
         *data_flags(cifar_dir),
-        *TINY,
+        *ACCEL_TINY,
         "--model-width",
         8,
         "--epochs",
@@ -359,7 +355,7 @@ def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_is_refused(cifar_dir, tmp
         "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n"
     )
     log = tmp_path / "log.jsonl"
-    result = accelerate_launch(config, *data_flags(cifar_dir), *TINY, "--epochs", 1, "--log-json", log)
+    result = accelerate_launch(config, *data_flags(cifar_dir), *ACCEL_TINY, "--epochs", 1, "--log-json", log)
     assert_refused(result, r"the launcher started 2 processes \(WORLD_SIZE=2\) but Accelerate sees 1", log)
     assert result.stderr.count("error: the launcher started 2 processes") == 1  # every process sees it, one says so
 
@@ -384,7 +380,7 @@ def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
         free_port(),
         "accel_train.py",
         *data_flags(cifar_dir),
-        *TINY,
+        *ACCEL_TINY,
         "--epochs",
         1,
         "--log-json",
@@ -402,7 +398,7 @@ def test_missing_data_is_said_once(tmp_path):
         "--cpu",
         "--data-dir",
         tmp_path / "data",
-        *TINY,
+        *ACCEL_TINY,
         env=accel_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"),
     )
     assert result.returncode != 0 and not EPOCH_LINE.search(result.stdout)
@@ -417,7 +413,7 @@ def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
         CONFIGS / "two_cpus.yaml",
         "--cpu",
         *data_flags(cifar_dir),
-        *TINY,
+        *ACCEL_TINY,
         "--epochs",
         1,
         env=raise_in_rank_env(1, accel_env()),
@@ -441,8 +437,10 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
     graph, bf16 gradient compression, flip and shift TTA, 2-pixel crop padding, bn_lr_scale and BatchNorm
     recalibration, and the levers of issue 25 (Muon, Lookahead, BatchNorm bias rate and frozen scales,
-    alternating flips; tests/test_levers.py); the reported metrics
-    equal a single-process evaluation of the saved (EMA) weights."""
+    alternating flips): every one of them reaches the run's recipe (what each does: tests/test_levers.py and
+    tests/test_fast.py), and the reported metrics equal a single-process evaluation of the saved (EMA) weights."""
+    from cifar_wrn.recipe import load_recipe, parse_set
+
     options = [
         "ema_decay=0.9",
         "ddp_bucket_view=true",
@@ -465,7 +463,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
         CONFIGS / "two_cpus.yaml",
         "--cpu",
         *data_flags(cifar_dir),
-        *TINY,
+        *ACCEL_TINY,
         "--recipe",
         "fast",
         "--batch-size",
@@ -483,24 +481,28 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
-    assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
-    assert header["recipe"]["muon"] and header["recipe"]["alternating_flip"]
+    asked = load_recipe("fast", parse_set(options))
+    assert {key: header["recipe"][key] for key in parse_set(options)} == {
+        key: getattr(asked, key) for key in parse_set(options)
+    }
+    assert header["recipe"]["data_pipeline"] == "device"
     assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
     check_slow_bf16_warning(result.stderr)
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 
 
-def clipped_steps(cifar_dir, epochs: int, weights: Path):
+def clipped_steps(cifar_dir, epochs: int, weights: Path, anneal: bool = True):
     """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_runs'
     starting weights (residual_bn_init=0.2), on warmup_linear with anneal_epochs=1: the first step's rate factor
-    is (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0."""
+    is (1 - 0) / 1 = 1, as with the constant schedule, and every later step's 0. anneal=False: without
+    anneal_epochs, so the decay spans the `epochs` steps (factors 1, then 1/2 for a second epoch of 2)."""
     return accelerate_launch(
         CONFIGS / "two_cpus.yaml",
         "--cpu",
         "--data-dir",
         cifar_dir,
-        *TINY,
+        *ACCEL_TINY,
         *ONE_STEP,
         "--epochs",
         epochs,
@@ -512,8 +514,7 @@ def clipped_steps(cifar_dir, epochs: int, weights: Path):
         "grad_clip_norm=0.001",
         "--set",
         "lr_schedule=warmup_linear",
-        "--set",
-        "anneal_epochs=1",
+        *(["--set", "anneal_epochs=1"] if anneal else []),
         "--save",
         weights,
     )
@@ -540,7 +541,7 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
         "accel_train.py",
         "--data-dir",
         cifar_dir,
-        *TINY,
+        *ACCEL_TINY,
         *ONE_STEP,
         "--base-lr",
         1e-12,
@@ -574,11 +575,16 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
 def test_anneal_epochs_freezes_the_weights_after_it(one_step_runs, cifar_dir, tmp_path):
     """As in tests/test_fast.py: with anneal_epochs=1 the second epoch trains at lr 0, so a 2-epoch run ends with
     the parameters of a 1-epoch run (whatever moved them in the first: here a clipped step of norm 0.001, which
-    any non-zero rate in the second epoch would add to)."""
+    any non-zero rate in the second epoch would add to). The control, the same 2 epochs without anneal_epochs:
+    the first step is the same (factor 1), the second, at factor 1/2, moves the parameters by 0.5 x 0.001 from
+    the 1-epoch run's, so the comparison can fail."""
     assert one_step_runs.clipped.returncode == 0, one_step_runs.clipped.stderr[-3000:]
-    two = clipped_steps(cifar_dir, 2, tmp_path / "two.pt")
+    two = clipped_steps(cifar_dir, 2, tmp_path / "two_annealed.pt")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert parameter_distance(one_step_runs.clipped_weights, tmp_path / "two.pt") == 0.0
+    control = clipped_steps(cifar_dir, 2, tmp_path / "two.pt", anneal=False)
+    assert control.returncode == 0, control.stderr[-3000:]
+    assert parameter_distance(one_step_runs.clipped_weights, tmp_path / "two_annealed.pt") == 0.0
+    assert parameter_distance(one_step_runs.clipped_weights, tmp_path / "two.pt") == pytest.approx(0.0005, rel=1e-3)
 
 
 def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
@@ -591,7 +597,7 @@ def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
 
 
 def reliability_flags(data_dir, *extra):
-    return ["--cpu", *data_flags(data_dir), *TINY, "--dist-timeout", 60, *extra]
+    return ["--cpu", *data_flags(data_dir), *ACCEL_TINY, "--dist-timeout", 60, *extra]
 
 
 def test_resume_needs_a_checkpoint_dir(tmp_path, monkeypatch):

@@ -40,9 +40,8 @@ from cifar_wrn.checkpoint import (
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
+from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import read_log
-
-PREEMPTED_EXIT = 75
 
 
 def flags(data_dir, *extra):

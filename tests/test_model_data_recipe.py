@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import TRAIN_IMAGES, write_cifar
+from conftest import TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
 from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits
@@ -111,17 +111,39 @@ def test_dataset_normalises_and_augments():
     assert 30 < padded <= 50
 
 
-def test_sampler_shards_are_disjoint_cover_and_reshuffle():
-    dataset = list(range(101))
-    shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
-    assert len(shards[0]) == len(shards[1]) == 51  # padded to equal length
-    assert set(shards[0]) | set(shards[1]) == set(range(101))  # cover
-    assert len(set(shards[0]) & set(shards[1])) == 1  # only the single padding repeat
-    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(0)
-    first = list(sampler)
-    sampler.set_epoch(1)
-    assert list(sampler) != first  # a new permutation each epoch
+def batch_indices(loader) -> list[int]:
+    """The dataset indices a loader of raw_ddp.build_data's deals, in order (its sampler's, no images loaded)."""
+    batches = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler  # per image / on device
+    return [i for batch in batches for i in batch]
+
+
+@pytest.mark.parametrize("pipeline", ["dataloader", "device"])
+def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch, pipeline):
+    """raw_ddp.build_data's samplers for 2 ranks (one process builds both, its two collectives stood in for):
+    each epoch the ranks' training batches are disjoint and together every training image once (320 = 2 x 5 x
+    32: nothing dropped); set_epoch, as the epoch loop calls it (R1.6), gives a new order; the validation
+    batches (101 images, padded to 2 x 51) with each rank's mask count every image once."""
+    import raw_ddp
+
+    monkeypatch.setattr(raw_ddp.dist, "barrier", lambda: None)
+    monkeypatch.setattr(raw_ddp.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 2))
+    flags = ["--device", "cpu", "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
+    flags += ["--batch-size", 32, "--set", f"data_pipeline={pipeline}", "--set", "num_workers=0"]
+    args, recipe = raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags]))
+    ranks = [raw_ddp.build_data(args, recipe, rank, 2, rank, torch.device("cpu")) for rank in (0, 1)]
+    orders = []
+    for epoch in (0, 1):
+        for data in ranks:
+            data.train_sampler.set_epoch(epoch)
+        shards = [[i for batch in data.train_batches for i in batch] for data in ranks]
+        assert [len(shard) for shard in shards] == [data.steps_per_epoch * 32 for data in ranks] == [160, 160]
+        assert not set(shards[0]) & set(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(TRAIN_IMAGES))
+        orders.append(shards)
+    assert orders[0][0] != orders[1][0] and orders[0][1] != orders[1][1]  # a new order each epoch
+    val = [batch_indices(data.val_loader) for data in ranks]
+    assert [len(v) for v in val] == [51, 51] and len(set(val[0]) & set(val[1])) == 1  # one padding repeat
+    counted = [i for v, data in zip(val, ranks) for i, keep in zip(v, data.val_mask) if keep]
+    assert sorted(counted) == list(range(VAL_IMAGES))
 
 
 @pytest.mark.parametrize("n, world", [(101, 2), (100, 2), (10, 3), (7, 4)])

@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 from conftest import (
+    EPOCH_LINE,
     REPO,
     TINY,
-    TRAIN_IMAGES,
     VAL_IMAGES,
     check_slow_bf16_warning,
     cpu_env,
+    data_flags,
     finish,
     free_port,
     run,
@@ -29,24 +30,15 @@ from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 
-EPOCH_LINE = re.compile(
-    r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
-    re.M,
-)
-
-
-def data_flags(cifar_dir):
-    return ["--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
-
-
 # ----------------------------------------------------------------------------- pure pieces
 
 
 def test_all_required_steps_are_tagged():
-    source = (REPO / "raw_ddp.py").read_text()
-    assert sorted({int(n) for n in re.findall(r"# R1\.(\d+)", source)}) == list(range(1, 12))
-    assert re.search(r"if __name__ == \"__main__\":(.|\n)*mp\.spawn\(", source)
+    """Every course step R1.1 ... R1.11 is tagged in raw_ddp.py, as the report reads the tags. (That mp.spawn
+    starts the ranks is a run's to show: test_end_to_end_two_processes reads it from the log's header.)"""
+    from cifar_wrn.report import ddp_steps
+
+    assert [step for step, _ in ddp_steps()] == [f"R1.{n}" for n in range(1, 12)]
 
 
 # The functions of raw_ddp.py that may talk to other processes, in reading order: a collective anywhere
@@ -61,22 +53,11 @@ COLLECTIVE_FUNCTIONS = [
     "save_checkpoint",
 ]
 NOT_COLLECTIVES = ("DistError", "DistBackendError", "DistNetworkError", "ReduceOp", "get_backend")  # names, queries
-# In the order a process meets them (the AVG all-reduce of the metrics is in validate(), which the loop calls).
-REQUIRED_CALLS = [
-    'f"cuda:{local_rank}"',
-    "init_process_group(",
-    "dist.barrier(",
-    "DistributedSampler(",
-    "DDP(",
-    "set_epoch(",
-    "dist.reduce(",
-    "validate(",
-    "destroy_process_group(",
-    "mp.spawn(",
-]
 
 
 def test_every_collective_is_in_a_named_function_and_the_steps_read_in_order():
+    """Where the collectives are, and the step functions in reading order: structure no run shows. What they do
+    is the runs' to show (the exact averaged metrics: test_saved_weights_and_exact_validation_metrics)."""
     import ast
 
     source = (REPO / "raw_ddp.py").read_text()
@@ -94,11 +75,6 @@ def test_every_collective_is_in_a_named_function_and_the_steps_read_in_order():
     }
     assert outside == {}, f"dist. calls outside the named functions: {outside}"
     assert [f.name for f in functions if f.name in COLLECTIVE_FUNCTIONS] == COLLECTIVE_FUNCTIONS  # reading order
-    positions = [source.index(call) for call in REQUIRED_CALLS]
-    assert positions == sorted(positions), "the required calls no longer read in run order"
-    assert "dist.all_reduce(totals, op=dist.ReduceOp.AVG)" in "\n".join(
-        ast.get_source_segment(source, f) for f in functions if f.name == "validate"
-    )
     for package_file in (REPO / "cifar_wrn").glob("*.py"):  # the shared package talks to no process
         assert not re.search(
             r"\bdist\.\w+\(|init_process_group\(|all_reduce\(|barrier\(|DistributedDataParallel\(",
@@ -208,6 +184,7 @@ def test_end_to_end_two_processes(two_process_run):
     assert "Traceback" not in result.stderr
     header, epochs = read_log(out / "log.jsonl")
     assert (header["world_size"], header["num_nodes"], header["num_gpus"], header["backend"]) == (2, 1, 2, "gloo")
+    assert header["launcher"] == "mp.spawn"  # started as `python raw_ddp.py`: the ranks are mp.spawn's (R1.11)
     assert header["recipe"]["batch_size"] == 32 and header["global_batch_size"] == 64 and header["lr"] == 0.04
     assert header["git_commit"] and header["torch_version"] == torch.__version__
     assert [e["epoch"] for e in epochs] == [1, 2]
@@ -244,8 +221,10 @@ def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
 
 
 @pytest.mark.core
-def test_early_stopping_ends_every_rank_at_the_same_epoch(two_process_run):
-    result, _ = two_process_run  # --epochs 6 --target-accuracy 0 --patience 2
+def test_early_stopping_after_patience_epochs_is_said_once(two_process_run):
+    """--epochs 6 --target-accuracy 0 --patience 2: the run ends after epoch 2 (both ranks: it exits 0), and
+    rank 0 alone prints the epoch lines and the stop."""
+    result, _ = two_process_run
     assert result.returncode == 0, result.stderr
     assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]
     assert result.stdout.count("Early stopping after epoch 2") == 1
@@ -323,12 +302,20 @@ def test_peer_that_never_joins_times_out_with_address(cifar_dir):
 def test_worker_that_raises_is_named_with_traceback(rank_1_raises):
     """Rank 1 raises: the run ends soon after, not when rank 0 gives up waiting for it (--dist-timeout 300; the
     bound leaves room for the start-up of 2 processes on a loaded machine, 70 s measured). The run is conftest's
-    rank_1_raises, shared with tests/test_reliability.py's test_rank_that_raises_ends_the_run_promptly."""
+    rank_1_raises, shared with test_rank_that_raises_ends_the_run_promptly below."""
     result = rank_1_raises
     assert result.returncode == 1
     assert "error: rank 1 failed" in result.stderr
     assert "Traceback" in result.stderr and "injected test fault in rank 1" in result.stderr
     assert result.seconds < 200
+
+
+def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
+    """The same run (conftest's rank_1_raises), bounded tighter: rank 0, were it left waiting, would wait
+    --dist-timeout, 300 s; the bound is start-up on a loaded machine, 42 s measured, plus the stop. Not core: in
+    the default run on the shared 2-core machine at load 10-17 it took 168 s (the core test above bounds 200 s)."""
+    assert rank_1_raises.returncode == 1, rank_1_raises.stderr[-3000:]
+    assert rank_1_raises.seconds < 120
 
 
 def test_first_run_without_data_reads_cleanly(tmp_path):

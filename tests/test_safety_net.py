@@ -10,17 +10,14 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
+from conftest import EPOCH_LINE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
 from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
 
 from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
 from cifar_wrn.model import WideResNet
 from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
+from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
-
-PREEMPTED_EXIT = 75
-EPOCH = re.compile(r"^Epoch = +(\d+): Cumulative Time = .*Validation Accuracy = [\d.]+$", re.M)
-
 
 # ----------------------------------------------------------------------------- the rule, without processes
 
@@ -158,7 +155,7 @@ def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
         *keys, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl"
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert [int(n) for n in EPOCH.findall(straight.stdout)] == [1, 2, 3]
+    assert [int(n) for n in EPOCH_LINE.findall(straight.stdout)] == [1, 2, 3]
     assert re.search(
         r"^Epoch =  2: .*\nSafety net: the target was met 2 of 3 epochs in a row when the 2-epoch "
         r"budget ended; training on for up to 2 more epoch",
@@ -178,7 +175,7 @@ def test_the_net_does_not_fire_when_the_criterion_is_out_of_reach(cifar_dir, tmp
         "--patience", 4, "--set", "extra_epochs=1", "--log-json", tmp_path / "log.jsonl"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [int(n) for n in EPOCH.findall(result.stdout)] == [1, 2] and "Safety net" not in result.stdout
+    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2] and "Safety net" not in result.stdout
     assert "Target accuracy 0.0 not reached 4 epochs in a row within 2 epochs\n" in result.stdout
     _, epochs = read_log(tmp_path / "log.jsonl")
     assert not any("safety_net" in e or "extra_epoch" in e for e in epochs)
@@ -205,7 +202,7 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
     last_line = "Early stopping after epoch 30 (28 safety-net epoch(s) after the 2-epoch budget)"
-    assert [int(n) for n in EPOCH.findall(straight.stdout)] == list(range(1, 31)) and last_line in straight.stdout
+    assert [int(n) for n in EPOCH_LINE.findall(straight.stdout)] == list(range(1, 31)) and last_line in straight.stdout
 
     ck, log = tmp_path / "ck", tmp_path / "l.jsonl"
     proc = start(*command(trainer, cifar_dir, ck, *keys, "--log-json", log))
@@ -223,7 +220,7 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, (
         stopped.stderr[-3000:]
     )
-    assert [int(n) for n in EPOCH.findall(stopped.stdout)] == list(range(1, epoch + 1))
+    assert [int(n) for n in EPOCH_LINE.findall(stopped.stdout)] == list(range(1, epoch + 1))
     assert stopped.stdout.count("Safety net: ") == 1 and re.search(
         r"^Epoch =  2: .*\nSafety net: ", stopped.stdout, re.M
     ), stopped.stdout
@@ -236,7 +233,7 @@ def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, tr
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"epoch {epoch + 1}, step {step} of 2" in resumed.stdout, resumed.stdout
-    assert [int(n) for n in EPOCH.findall(resumed.stdout)] == list(range(epoch + 1, 31))
+    assert [int(n) for n in EPOCH_LINE.findall(resumed.stdout)] == list(range(epoch + 1, 31))
     assert last_line in resumed.stdout and "Safety net: " not in resumed.stdout  # said once, at the budget's end
 
     # The log as written (read_log would hide a repeated epoch): the stopped run's records, then the resumed

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import raise_in_rank_env, run
+from conftest import EPOCH_LINE, raise_in_rank_env, run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +38,8 @@ SHELL_FILES = SCRIPTS + sorted(SLURM.glob("*.sh")) + sorted((REPO / "bench").glo
 # Seconds for one job, requeued runs included: a guard against a hang, not a speed test, so it holds on a
 # loaded 2-core machine (a preempted accelerate job took 240 s there, with pytest-xdist and other work beside it).
 HARD_TIMEOUT = 480
-TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
+# The jobs' EXTRA_ARGS (a string, as a user passes it): one epoch of the tiny model.
+SLURM_TINY = "--model-width 4 --train-subset 200 --val-subset 101 --epochs 1 --set num_workers=0"
 
 # Variables the scripts read: a developer's own values must not leak into the tests.
 SCRIPT_KNOBS = {
@@ -552,20 +553,25 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
     assert job.state == "COMPLETED" and job.exit_status == 0, job.describe()
     run_dir = job.run_dir
     log = job.log
-    epoch_lines = [line for line in log.splitlines() if re.match(r"Epoch = +1: Cumulative Time = ", line)]
-    assert len(epoch_lines) == 1, log  # rank 0 only
-    assert epoch_lines[0] in job.output  # the job's Slurm output file has it too
+    epoch_lines = list(EPOCH_LINE.finditer(log))
+    assert [int(m[1]) for m in epoch_lines] == [1], log  # --epochs 1, printed by rank 0 only
+    assert epoch_lines[0][0] in job.output  # the job's Slurm output file has it too
     assert f"world size: {world_size} = {num_nodes} node(s)" in log
     assert "slurm: partition a30_normal_q, account test" in log
-    # the banner's topology is that of the node the job ran on (no GPU here: slurm/common.sh says so)
+    # the banner's topology is that of the node the job ran on
     topology = (run_dir / "topology.txt").read_text()
     assert re.match(r"--- GPU topology of (node1|node2) ", topology), topology
-    assert "nvidia-smi is not on this machine" in topology, topology
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     header, epochs = records[0], records[1:]
     assert header["kind"] == "header" and header["world_size"] == world_size, header
     assert header["launcher"] == launcher and header["device"] == "cpu" and header["backend"] == "gloo"
     assert [e["epoch"] for e in epochs] == [1]
+    # the printed line is the logged epoch's: the same loss and accuracy, to the printed digits
+    printed = re.search(r"Validation Loss = ([\d.]+), Validation Accuracy = ([\d.]+)$", epoch_lines[0][0])
+    assert printed.groups() == (f"{epochs[0]['val_loss']:.3f}", f"{epochs[0]['val_accuracy']:.3f}"), (
+        epoch_lines[0][0],
+        epochs[0],
+    )
     # exact metrics over the ranks: a count out of the validation images (an odd number, padded for 2 ranks)
     correct = epochs[0]["val_accuracy"] * header["val_images"]
     assert correct == pytest.approx(round(correct), abs=1e-6), (epochs[0], header["val_images"])
@@ -593,7 +599,7 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
 def test_job_script_trains_on_cpu(cluster, tmp_path, cifar_dir, name, options, world_size, num_nodes, launcher):
     """Each script as users submit it (its own #SBATCH lines; the multi-node ones with one GPU per
     node, so one process each), trained one epoch on the CPU."""
-    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, DATA_SRC=cifar_dir, EXTRA_ARGS=TINY)
+    job = sbatch(cluster, tmp_path, SLURM / f"{name}.sbatch", *options, DATA_SRC=cifar_dir, EXTRA_ARGS=SLURM_TINY)
     check_run(job, world_size, num_nodes, launcher)
     log = job.log
     assert f"GPUs on node {world_size // num_nodes}" in log, log  # SLURM_GPUS_ON_NODE from --gres
@@ -616,7 +622,7 @@ def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
         SLURM / "raw_multinode.sbatch",
         "--gres=gpu:1",
         DATA_SRC=cifar_dir,
-        EXTRA_ARGS=TINY + " --dist-timeout 600",
+        EXTRA_ARGS=SLURM_TINY + " --dist-timeout 600",
         **raise_in_rank_env(1, {}),
     )
     assert job.state == "FAILED" and job.exit_status != 0, job.describe()

@@ -12,7 +12,16 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, raw_ddp, resume_flags, run, synthetic_batch, write_cifar
+from conftest import (
+    TINY,
+    cpu_env,
+    data_flags,
+    raw_ddp,
+    resume_flags,
+    run,
+    synthetic_batch,
+    write_cifar,
+)
 
 from cifar_wrn.checkpoint import TRAINING_STATE, CheckpointError, load_checkpoint, read_training_state
 from cifar_wrn.data import DataError, load_split
@@ -32,8 +41,6 @@ class RunsCode:
 
 # The 2-process runs here use raw_ddp's default timeout (180 s): with 90 s a run that had printed its refusal was
 # still shutting down when the timeout struck, on 2 cores loaded by several pytest workers.
-def data_flags(data_dir):
-    return ["--data-dir", data_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
 
 
 def accel_train(*flags, timeout=180):
