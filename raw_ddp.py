@@ -140,7 +140,7 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
     # before the group forms, or torch._dynamo outlives it and can abort the exit
     import torch._dynamo as _  # noqa: F401
 
-    # R1.3
+    # R1.3: every rank meets at node 0's address and port (through the launcher's store when it holds one)
     timeout = timedelta(seconds=args.dist_timeout)
     try:
         if launched_by_torchrun():
@@ -218,7 +218,7 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
     raw_model = raw_model.to(device, memory_format=memory_format)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
-    # R1.8
+    # R1.8: DDP averages the gradients over all ranks during backward
     model = DDP(
         raw_model,
         device_ids=[local_rank] if device.type == "cuda" else None,  # R1.8
@@ -236,7 +236,7 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
 
 # ==== train
 @dataclass
-class TrainingRun:
+class TrainingRun:  # what a checkpoint holds besides the progress, and whose it is
     rank: int
     world_size: int
     device: torch.device
@@ -312,12 +312,12 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 "epoch": epoch + 1,
                 "cumulative_time": progress.cumulative_time,
                 "epoch_time": epoch_time,
-                "images_per_sec": images_per_sec.item() if is_main else None,
+                "images_per_sec": images_per_sec.item() if is_main else None,  # the sum reached rank 0 only
                 "val_loss": val_loss,
                 "val_accuracy": val_accuracy,
             }
             done = progress.end_epoch(metrics, recipe)
-            if is_main:  # R1.10
+            if is_main:  # R1.10: only rank 0 prints
                 print(epoch_line(metrics), flush=True)  # R1.10
                 if args.profile:
                     print(profile_table(profile, epoch_time, comm, epoch + 1), flush=True)
