@@ -221,7 +221,7 @@ def build_model(args, recipe, accelerator, device):
 
 # ==== train
 @dataclasses.dataclass
-class TrainingRun:
+class TrainingRun:  # what a checkpoint holds besides the progress (the accelerator holds what it prepared)
     rank: int
     world_size: int
     device: torch.device
