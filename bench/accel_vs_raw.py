@@ -18,7 +18,6 @@ shared machine the best-of ratio is the one to quote; on an idle one the two agr
 """
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,13 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from cifar_wrn.cli import free_port  # noqa: E402
 from cifar_wrn.runlog import read_log  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def command(trainer: str, args, log: Path) -> list[str]:
