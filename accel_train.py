@@ -63,20 +63,19 @@ from cifar_wrn.data import (
     SkipFirst,
     dataset_present,
     download_cifar10,
-    evaluate,
     load_splits,
     loader_options,
-    make_datasets,
-    real_sample_mask,
-    recalibration_batches,
     require_a_step,
 )
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
+from cifar_wrn.evaluation import evaluate, real_sample_mask
 from cifar_wrn.model import WideResNet, init_residual_bn
+from cifar_wrn.optim import build_training
+from cifar_wrn.pipeline import make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from cifar_wrn.progress import EpochBar, validation_bar
-from cifar_wrn.recipe import as_dict, build_training, slow_bf16_warning
+from cifar_wrn.recipe import as_dict, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 

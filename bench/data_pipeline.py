@@ -4,7 +4,7 @@
 
 baseline: DataLoader over cifar_wrn.data.CIFAR10 (per-image RandomCrop + flip + normalise, collated);
           num_workers=0 on CPU (workers would take the same cores), --workers on GPU.
-device:   cifar_wrn.data.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
+device:   cifar_wrn.pipeline.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
           the whole uint8 set on the device, one batched crop/flip/normalise per step.
 Both produce normalised float batches on --device; the ratio is device / baseline from the same run.
 """
@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import CIFAR10, DeviceBatches, dataset_present, load_split  # noqa: E402
+from cifar_wrn.data import CIFAR10, dataset_present, load_split  # noqa: E402
+from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
 
 
 def images_per_sec(loader, device, batches: int) -> float:

@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import DeviceBatches, load_split, recalibration_batches, tta_logits  # noqa: E402
+from cifar_wrn.data import load_split  # noqa: E402
 from cifar_wrn.ema import evaluated_network, recalibrate_bn  # noqa: E402
+from cifar_wrn.evaluation import tta_logits  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
+from cifar_wrn.pipeline import DeviceBatches, recalibration_batches  # noqa: E402
 from cifar_wrn.recipe import Recipe  # noqa: E402
 
 
@@ -62,7 +64,7 @@ def recalibrated(eval_model, train_set, recipe: Recipe, world_size: int):
 @torch.no_grad()
 def evaluate_variants(models: dict, val: DeviceBatches, batch_size: int, bf16: bool, variants: list) -> dict:
     """{(name, flip, shift): (mean loss, accuracy)} for each model and each (flip, shift) of `variants`, every
-    one through cifar_wrn.data.tta_logits (the logits validation scores), one forward pass per distinct view."""
+    one through cifar_wrn.evaluation.tta_logits (the logits validation scores), one forward pass per distinct view."""
     sums = {(name, *v): torch.zeros(2, dtype=torch.float64) for name in models for v in variants}
     for start in range(0, len(val), batch_size):
         images, labels = val[torch.arange(start, min(start + batch_size, len(val)))]

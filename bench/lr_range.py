@@ -21,9 +21,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import CIFAR10, DeviceBatches, load_split  # noqa: E402
+from cifar_wrn.data import CIFAR10, load_split  # noqa: E402
 from cifar_wrn.model import WideResNet, init_residual_bn  # noqa: E402
-from cifar_wrn.recipe import build_optimizer, load_recipe, parse_set  # noqa: E402
+from cifar_wrn.optim import build_optimizer  # noqa: E402
+from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
+from cifar_wrn.recipe import load_recipe, parse_set  # noqa: E402
 
 
 def main():

@@ -28,9 +28,11 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dataclasses  # noqa: E402
 
-from cifar_wrn.data import CIFAR10, DeviceBatches, alternating_flips  # noqa: E402
+from cifar_wrn.data import CIFAR10  # noqa: E402
 from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.recipe import build_optimizer, load_recipe, scaled_lr  # noqa: E402
+from cifar_wrn.optim import build_optimizer, scaled_lr  # noqa: E402
+from cifar_wrn.pipeline import DeviceBatches, alternating_flips  # noqa: E402
+from cifar_wrn.recipe import load_recipe  # noqa: E402
 
 LEVERS = {
     "muon": dict(muon=True),

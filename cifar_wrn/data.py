@@ -1,4 +1,4 @@
-"""CIFAR-10: find or download, load and validate, augment, evaluate exactly.
+"""CIFAR-10: find or download, load and validate; the per-image dataset and its loader options.
 
 Read with a restricted unpickler, not torchvision: re-encoded copies (other md5) load, crafted files run no code.
 """
@@ -189,27 +189,6 @@ def load_splits(data_dir, train_subset: int | None, val_subset: int | None):
         return None, None, str(exc)
 
 
-def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
-    if recipe.data_pipeline == "device":
-        flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
-        return (
-            DeviceBatches(
-                *train_data,
-                device,
-                augment=recipe.augment,
-                seed=recipe.seed + rank,
-                channels_last=recipe.channels_last,
-                crop_padding=recipe.crop_padding,
-                flips=flips,
-            ),
-            DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last),
-        )
-    return (
-        CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
-        CIFAR10(*val_data, augment=False),
-    )
-
-
 def loader_options(recipe, device, rank: int) -> dict:
     """DataLoader options. Its own generator: a mid-epoch resume's extra iterator must not draw from the
     global stream dropout uses."""
@@ -280,7 +259,7 @@ class SkipFirst(Sampler):
 
     def __iter__(self):
         sampler = getattr(self.batches, "sampler", None)  # alternating flips need the epoch
-        if isinstance(getattr(sampler, "dataset", None), DeviceBatches):
+        if hasattr(getattr(sampler, "dataset", None), "epoch"):  # DeviceBatches
             sampler.dataset.epoch = getattr(sampler, "epoch", 0)
         return itertools.islice(iter(self.batches), self.skip, None)
 
@@ -294,155 +273,3 @@ def ignore_stop_signal(worker_id: int) -> None:
 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
-    """False for DistributedSampler's padding, which repeats images."""
-    positions = sampler.rank + torch.arange(sampler.num_samples) * sampler.num_replicas
-    return positions < len(sampler.dataset)
-
-
-def tta_weights(flip: bool = False, translate: int = 0) -> dict:
-    """{(shift, mirrored): weight} of the TTA views; powers of two, so bf16 means round exactly."""
-    shifts = {0: 1.0} if translate == 0 else {0: 0.5, translate: 0.25, -translate: 0.25}
-    mirrors = {False: 0.5, True: 0.5} if flip else {False: 1.0}
-    return {(shift, mirrored): ws * wm for shift, ws in shifts.items() for mirrored, wm in mirrors.items()}
-
-
-def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
-    """The batch shifted `shift` pixels down-right, reflection-padded (the model may never see zero borders),
-    then mirrored if asked."""
-    if shift != 0:
-        t, (h, w) = abs(shift), images.shape[-2:]
-        layout = (
-            torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-        )
-        padded = torch.nn.functional.pad(images, (t, t, t, t), mode="reflect")
-        images = (padded[..., :h, :w] if shift > 0 else padded[..., 2 * t :, 2 * t :]).contiguous(memory_format=layout)
-    return images.flip(3) if mirrored else images
-
-
-def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int = 0, cache: dict | None = None):
-    """Weighted mean of the logits over tta_weights' views; `cache` reuses them across calls."""
-    cache = {} if cache is None else cache
-    total = 0
-    for (shift, mirrored), weight in tta_weights(flip, translate).items():
-        if (shift, mirrored) not in cache:
-            cache[shift, mirrored] = model(tta_view(images, shift, mirrored))
-        total = total + weight * cache[shift, mirrored]
-    return total
-
-
-@torch.no_grad()
-def evaluate(
-    model,
-    loader,
-    mask: torch.Tensor | None,
-    device,
-    autocast_dtype=None,
-    tta_flip: bool = False,
-    tta_translate: int = 0,
-    gather=None,
-) -> torch.Tensor:
-    """float64 [loss_sum, correct, count] over real samples (`mask`, or `gather` drops padding): sums reduce
-    exactly over ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    offset = 0
-    for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits = tta_logits(model, images, tta_flip, tta_translate)
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none").double()
-        correct = (logits.argmax(1) == labels).double()
-        if gather is not None:
-            loss, correct = gather((loss, correct))
-        else:
-            keep = mask[offset : offset + len(labels)].to(device)
-            offset += len(labels)
-            loss, correct = loss[keep], correct[keep]
-        totals += torch.stack(
-            [loss.sum(), correct.sum(), torch.tensor(len(correct), dtype=torch.float64, device=device)]
-        )
-    return totals
-
-
-def alternating_flips(images: int, seed: int) -> torch.Tensor:
-    """airbench's alternating flip: image i is mirrored in epoch e when bit i XOR (e mod 2) is 1."""
-    return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
-
-
-def random_crop_flip(
-    images: torch.Tensor, generator: torch.Generator, pad: int = 4, flip: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Random crop and flip of a whole uint8 batch at once; `flip` (bool [B]) replaces the coin toss."""
-    n, c, h, w = images.shape
-    device = images.device
-    if pad == 0:
-        flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
-        return torch.where(flip[:, None, None, None], images.flip(3), images)
-    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
-    dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
-    rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
-    cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
-    crops = padded.gather(2, rows).gather(3, cols)
-    flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
-    return torch.where(flip[:, None, None, None], crops.flip(3), crops)
-
-
-def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
-    """This rank's unaugmented bn_recalibration batches; every rank gets the same count, as sync_bn needs."""
-    images, batch_size = min(recipe.bn_recalibration, len(train_set)), recipe.batch_size
-    if recipe.bn_recalibration == 0:
-        return []
-    if images < world_size:
-        raise DataError(
-            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
-        )
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
-    per_rank = images // world_size
-    mine = order[:images][rank::world_size][:per_rank]
-    share = DeviceBatches(
-        train_set.images[mine], train_set.labels[mine], device, augment=False, channels_last=recipe.channels_last
-    )
-    size = min(batch_size, per_rank)
-    return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
-
-
-class DeviceBatches(Dataset):
-    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch (DataLoader batch_size=None)."""
-
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        device,
-        augment: bool,
-        seed: int = 0,
-        channels_last: bool = False,
-        crop_padding: int = 4,
-        flips: torch.Tensor | None = None,
-    ):
-        self.device = torch.device(device)
-        self.images, self.labels = images.to(self.device), labels.to(self.device)
-        self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
-        self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
-        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices, device=self.device)
-        images = self.images[index]
-        if self.augment:
-            flip = None if self.flips is None else self.flips[index] ^ bool(self.epoch % 2)
-            images = random_crop_flip(images, self.generator, self.crop_padding, flip)
-        images = (images.float() - self.mean) / self.std
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, self.labels[index]

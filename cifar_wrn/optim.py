@@ -1,9 +1,18 @@
-"""SGD and Muon (as in airbench94_muon.py) groups plus optional Lookahead in one optimizer, so the scheduler,
-checkpoints and Accelerate see one object; SGD groups call torch.optim.sgd.sgd, exactly as torch.optim.SGD.
+"""The optimizer, its parameter groups and the learning-rate schedule a recipe asks for.
+
+MuonSGD holds SGD and Muon (as in airbench94_muon.py) groups plus optional Lookahead in one optimizer, so the
+scheduler, checkpoints and Accelerate see one object; SGD groups call torch.optim.sgd.sgd, as torch.optim.SGD.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.sgd import sgd
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 # Keller Jordan's quintic Newton-Schulz: singular values end near 1 (0.7-1.2), which suffices.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -81,3 +90,94 @@ class MuonSGD(torch.optim.Optimizer):
         slow = [self.state[p]["slow"] for p in params]
         torch._foreach_lerp_(slow, params, self.lookahead_alpha)
         torch._foreach_copy_(params, slow)
+
+
+def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
+    """Linear scaling rule (Goyal et al., 2017): per-epoch learning stays the same as processes are added."""
+    if recipe.lr_scaling == "linear":
+        return recipe.base_lr * global_batch_size / recipe.reference_batch_size
+    return recipe.base_lr
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, lr: float) -> torch.optim.Optimizer:
+    """Decaying BN scales and biases only fights the normalisation, so they get no weight decay."""
+    special = lever_groups(model, recipe, lr)
+    taken = {id(p) for group in special for p in group["params"]}
+    trained = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    groups = [
+        {"params": [p for p in trained if p.ndim > 1], "weight_decay": recipe.weight_decay},
+        {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0, "lr": lr * recipe.bn_lr_scale},
+    ]
+    groups += special
+    if recipe.muon or recipe.lookahead_steps:
+        return MuonSGD(
+            groups,
+            lr=lr,
+            momentum=recipe.momentum,
+            nesterov=recipe.nesterov,
+            lookahead_steps=recipe.lookahead_steps,
+            lookahead_alpha=recipe.lookahead_alpha,
+        )
+    return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
+
+
+def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict]:
+    """Groups of the levers that are on; muon renormalises only kernels a BatchNorm directly follows."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    groups = []
+    if recipe.muon:
+        kernels = [p for p in model.parameters() if p.requires_grad and p.ndim == 4]
+        followed = {
+            id(a.weight)
+            for m in model.modules()
+            if isinstance(m, torch.nn.Sequential)
+            for a, b in zip(m, list(m)[1:])
+            if isinstance(a, torch.nn.Conv2d) and isinstance(b, torch.nn.modules.batchnorm._BatchNorm)
+        }
+        for renormalize in (True, False):
+            groups.append(
+                {
+                    "params": [p for p in kernels if (id(p) in followed) == renormalize],
+                    "muon": True,
+                    "renormalize": renormalize,
+                    "lr": recipe.muon_lr,
+                    "momentum": recipe.muon_momentum,
+                    "nesterov": True,
+                }
+            )
+    if recipe.bn_bias_lr_scale != 1.0:
+        groups.append(
+            {
+                "params": [m.bias for m in norms],
+                "weight_decay": 0.0,
+                "lr": lr * recipe.bn_lr_scale * recipe.bn_bias_lr_scale,
+            }
+        )
+    if recipe.freeze_bn_scale:
+        groups.append({"params": [m.weight for m in norms], "weight_decay": 0.0, "lr": 0.0})
+    return [group for group in groups if group["params"]]
+
+
+def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    end = min(recipe.anneal_epochs, recipe.epochs) if recipe.anneal_epochs > 0 else recipe.epochs
+    total = round(end * steps_per_epoch)
+    warmup = round(recipe.warmup_epochs * steps_per_epoch)
+    budget = recipe.epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if recipe.lr_schedule == "constant":
+            return 1.0
+        if step >= budget:  # extra epochs replay the budget's last one: lr 0 would train nothing
+            step = budget - steps_per_epoch + (step - budget) % steps_per_epoch
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size: int, steps_per_epoch: int):
+    lr = scaled_lr(recipe, global_batch_size)
+    optimizer = build_optimizer(raw_model, recipe, lr)
+    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
+    return lr, optimizer, scheduler, torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)

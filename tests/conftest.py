@@ -393,8 +393,10 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
     weights."""
     from torch.utils.data import BatchSampler, DataLoader
 
-    from cifar_wrn.data import DeviceBatches, evaluate, load_split
+    from cifar_wrn.data import load_split
+    from cifar_wrn.evaluation import evaluate
     from cifar_wrn.model import WideResNet
+    from cifar_wrn.pipeline import DeviceBatches
     from cifar_wrn.runlog import read_log
 
     _, epochs = read_log(log_path)
@@ -423,8 +425,9 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
     sys.path.insert(0, str(REPO / "bench"))
     from eval_variants import recalibrated
 
-    from cifar_wrn.data import DeviceBatches, load_split
+    from cifar_wrn.data import load_split
     from cifar_wrn.model import WideResNet
+    from cifar_wrn.pipeline import DeviceBatches
     from cifar_wrn.recipe import load_recipe
 
     saved = WideResNet(width=4)

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cifar_wrn.model import WideResNet
-from cifar_wrn.recipe import Recipe, build_optimizer
+from cifar_wrn.optim import build_optimizer
+from cifar_wrn.recipe import Recipe
 
 STEPS, BATCH = 5, 8
 

@@ -25,9 +25,10 @@ from conftest import (
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import raw_ddp
-from cifar_wrn.data import CIFAR10, DataError, DeviceBatches, load_split, random_crop_flip, recalibration_batches
+from cifar_wrn.data import CIFAR10, DataError, load_split
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
+from cifar_wrn.pipeline import DeviceBatches, random_crop_flip, recalibration_batches
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
 
@@ -304,7 +305,7 @@ SYNC_BN_STAND_IN = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, "tests")
 from cifar_wrn.ema import recalibrate_bn
-from cifar_wrn.data import recalibration_batches
+from cifar_wrn.pipeline import recalibration_batches
 from cifar_wrn.recipe import load_recipe
 from test_fast import random_train_set
 

@@ -9,10 +9,11 @@ from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, free_port, r
 from conftest import raw_ddp as run_raw
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from cifar_wrn.data import MEAN, STD, DeviceBatches, SkipFirst, alternating_flips
+from cifar_wrn.data import MEAN, STD, SkipFirst
 from cifar_wrn.model import WideResNet
-from cifar_wrn.optim import NS_COEFFICIENTS, MuonSGD, orthogonalise
-from cifar_wrn.recipe import Recipe, RecipeError, build_optimizer, build_training, load_recipe
+from cifar_wrn.optim import NS_COEFFICIENTS, MuonSGD, build_optimizer, build_training, orthogonalise
+from cifar_wrn.pipeline import DeviceBatches, alternating_flips
+from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
 from cifar_wrn.runlog import read_log
 
 LEVERS = [

@@ -8,18 +8,11 @@ import torch
 from conftest import TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
-from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, evaluate, load_split, real_sample_mask, tta_logits
+from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, load_split
+from cifar_wrn.evaluation import evaluate, real_sample_mask, tta_logits
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
-from cifar_wrn.recipe import (
-    Recipe,
-    RecipeError,
-    build_optimizer,
-    build_scheduler,
-    load_recipe,
-    parse_set,
-    scaled_lr,
-    slow_bf16_warning,
-)
+from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
+from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
 
 # ----------------------------------------------------------------------------- model
 
@@ -329,7 +322,7 @@ def original_or_mirror(x, plain):
 def test_crop_padding_zero_augments_with_flips_only():
     """crop_padding 0 (flips only) in both pipelines: every training image is the original or its mirror
     image, both occur, and the default (4) still crops."""
-    from cifar_wrn.data import DeviceBatches, make_datasets
+    from cifar_wrn.pipeline import DeviceBatches, make_datasets
 
     torch.manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
@@ -352,7 +345,7 @@ def test_crop_padding_zero_augments_with_flips_only():
 @pytest.mark.parametrize("pad", [2, 4])
 def test_crop_padding_bounds_the_shift(pad):
     """White images: the zero padding (negative once normalised) reaches exactly `pad` pixels in."""
-    from cifar_wrn.data import DeviceBatches
+    from cifar_wrn.pipeline import DeviceBatches
 
     white = torch.full((256, 3, 32, 32), 255, dtype=torch.uint8)
     labels = torch.zeros(256, dtype=torch.long)

@@ -25,8 +25,9 @@ from conftest import (
 )
 
 import raw_ddp
-from cifar_wrn.data import CIFAR10, evaluate, load_split
+from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
+from cifar_wrn.evaluation import evaluate
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 

@@ -15,7 +15,8 @@ from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_co
 
 from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
 from cifar_wrn.model import WideResNet
-from cifar_wrn.recipe import Recipe, build_optimizer, build_scheduler, load_recipe
+from cifar_wrn.optim import build_optimizer, build_scheduler
+from cifar_wrn.recipe import Recipe, load_recipe
 from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
 

@@ -1,0 +1,108 @@
+"""The on-device pipeline: the whole uint8 dataset on the device, augmented a batch at a time."""
+
+import torch
+from torch.utils.data import Dataset
+
+from .data import CIFAR10, MEAN, STD, DataError
+
+
+def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
+    if recipe.data_pipeline == "device":
+        flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
+        return (
+            DeviceBatches(
+                *train_data,
+                device,
+                augment=recipe.augment,
+                seed=recipe.seed + rank,
+                channels_last=recipe.channels_last,
+                crop_padding=recipe.crop_padding,
+                flips=flips,
+            ),
+            DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last),
+        )
+    return (
+        CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
+        CIFAR10(*val_data, augment=False),
+    )
+
+
+def alternating_flips(images: int, seed: int) -> torch.Tensor:
+    """airbench's alternating flip: image i is mirrored in epoch e when bit i XOR (e mod 2) is 1."""
+    return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
+
+
+def random_crop_flip(
+    images: torch.Tensor, generator: torch.Generator, pad: int = 4, flip: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Random crop and flip of a whole uint8 batch at once; `flip` (bool [B]) replaces the coin toss."""
+    n, c, h, w = images.shape
+    device = images.device
+    if pad == 0:
+        flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
+        return torch.where(flip[:, None, None, None], images.flip(3), images)
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
+    rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
+    cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
+    crops = padded.gather(2, rows).gather(3, cols)
+    flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
+    return torch.where(flip[:, None, None, None], crops.flip(3), crops)
+
+
+def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
+    """This rank's unaugmented bn_recalibration batches; every rank gets the same count, as sync_bn needs."""
+    images, batch_size = min(recipe.bn_recalibration, len(train_set)), recipe.batch_size
+    if recipe.bn_recalibration == 0:
+        return []
+    if images < world_size:
+        raise DataError(
+            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
+        )
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
+    per_rank = images // world_size
+    mine = order[:images][rank::world_size][:per_rank]
+    share = DeviceBatches(
+        train_set.images[mine], train_set.labels[mine], device, augment=False, channels_last=recipe.channels_last
+    )
+    size = min(batch_size, per_rank)
+    return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
+
+
+class DeviceBatches(Dataset):
+    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch (DataLoader batch_size=None)."""
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        device,
+        augment: bool,
+        seed: int = 0,
+        channels_last: bool = False,
+        crop_padding: int = 4,
+        flips: torch.Tensor | None = None,
+    ):
+        self.device = torch.device(device)
+        self.images, self.labels = images.to(self.device), labels.to(self.device)
+        self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
+        self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(indices, device=self.device)
+        images = self.images[index]
+        if self.augment:
+            flip = None if self.flips is None else self.flips[index] ^ bool(self.epoch % 2)
+            images = random_crop_flip(images, self.generator, self.crop_padding, flip)
+        images = (images.float() - self.mean) / self.std
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, self.labels[index]
