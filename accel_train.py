@@ -35,6 +35,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from cifar_wrn.bars import EpochBar, validation_bar
 from cifar_wrn.checkpoint import (
     failure,
     fresh_folder,
@@ -74,7 +75,6 @@ from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.recipe import as_dict, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path

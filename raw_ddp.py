@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from cifar_wrn.bars import EpochBar, validation_bar
 from cifar_wrn.checkpoint import (
     checkpoint_path,
     failure,
@@ -73,7 +74,6 @@ from cifar_wrn.model import WideResNet, init_residual_bn
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import DeviceBatches, make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.progress import EpochBar, validation_bar
 from cifar_wrn.recipe import as_dict, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path

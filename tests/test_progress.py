@@ -1,4 +1,4 @@
-"""Progress bars (cifar_wrn/progress.py, --progress; issue 14 part 1).
+"""Progress bars (cifar_wrn/bars.py, --progress).
 
 Unit tests of the bars: the loss is read from the device only at the trainers' agreement steps, a hidden bar
 writes and touches nothing. Then both trainers as users run them, 2 gloo CPU processes, tiny models, one epoch
@@ -28,7 +28,7 @@ from conftest import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, kill_all
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
-from cifar_wrn import progress
+from cifar_wrn import bars
 from cifar_wrn.cli import add_training_flags, show_progress
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.evaluation import evaluate
@@ -62,7 +62,7 @@ ASYNC = {"detach", "float", "clone", "add_"}
 def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
     """25 steps (resumed at 7): the loss is read at steps 10, 20 and 25, as the trainers' step agreement, and
     the bar shows the mean of the losses since the previous read."""
-    bar = progress.EpochBar(True, 3, 25, start_step=start_step, images_per_step=64)
+    bar = bars.EpochBar(True, 3, 25, start_step=start_step, images_per_step=64)
     reads = []
     for step in range(start_step, 25):
         Spy.calls.clear()
@@ -84,7 +84,7 @@ def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
 
 
 def test_hidden_bars_write_nothing_and_touch_nothing(capsys):
-    bar = progress.EpochBar(False, 1, 25, images_per_step=64)
+    bar = bars.EpochBar(False, 1, 25, images_per_step=64)
     Spy.calls.clear()
     for _ in range(25):
         bar.step(torch.tensor(1.0).as_subclass(Spy))
@@ -92,16 +92,16 @@ def test_hidden_bars_write_nothing_and_touch_nothing(capsys):
     bar.close()
     assert Spy.calls == []
     loader = [1, 2, 3]
-    assert progress.validation_bar(False, loader) is loader  # not even wrapped
+    assert bars.validation_bar(False, loader) is loader  # not even wrapped
     assert capsys.readouterr() == ("", "")
 
 
 def test_bars_go_to_stderr_and_erase_themselves(capsys):
-    bar = progress.EpochBar(True, 1, 3, images_per_step=64)
+    bar = bars.EpochBar(True, 1, 3, images_per_step=64)
     for _ in range(3):
         bar.step(torch.tensor(2.0))
     bar.close()
-    assert list(progress.validation_bar(True, range(4))) == [0, 1, 2, 3]
+    assert list(bars.validation_bar(True, range(4))) == [0, 1, 2, 3]
     out, err = capsys.readouterr()
     assert out == ""
     assert "epoch 1" in err and "3/3" in err and "loss=2.000" in err and "validation" in err
@@ -109,9 +109,9 @@ def test_bars_go_to_stderr_and_erase_themselves(capsys):
 
 
 def test_close_all_erases_the_bars_an_error_left(capsys):
-    bar = progress.EpochBar(True, 1, 10)
+    bar = bars.EpochBar(True, 1, 10)
     bar.step(torch.tensor(1.0))  # ... and then the step loop raised
-    progress.close_all()
+    bars.close_all()
     assert bar._bar.disable  # closed
     assert capsys.readouterr().err.endswith("\r")
 
@@ -135,18 +135,18 @@ def test_a_terminal_without_a_size_still_gets_a_bar(monkeypatch):
     reader.start()
     with open(terminal, "w") as stream, monkeypatch.context() as patch:
         patch.setattr(sys, "stderr", stream)
-        bar = progress.EpochBar(True, 1, 4, images_per_step=64)
+        bar = bars.EpochBar(True, 1, 4, images_per_step=64)
         for _ in range(4):
             bar.step(torch.tensor(2.0))
         bar.close()
-        assert list(progress.validation_bar(True, range(3))) == [0, 1, 2]
+        assert list(bars.validation_bar(True, range(3))) == [0, 1, 2]
     reader.join(timeout=30)
     os.close(controller)
     drawn = b"".join(received).decode()
     lines = [line for line in re.split(r"[\r\n]+", drawn) if line.strip()]
     assert any(line.startswith("epoch 1: 100%|") and "4/4" in line and "loss=2.000" in line for line in lines), drawn
     assert any(re.match(r"validation: +\d+%\|.*\| \d/3 \[", line) for line in lines), drawn
-    assert {len(line) for line in lines} == {progress.DEFAULT_COLUMNS}, drawn  # every bar drawn that wide
+    assert {len(line) for line in lines} == {bars.DEFAULT_COLUMNS}, drawn  # every bar drawn that wide
 
 
 class FakeStderr(io.StringIO):
@@ -202,7 +202,7 @@ def test_evaluate_through_a_validation_bar(cifar_dir, capsys):
     ]
     for loader in loaders:
         expected = evaluate(model, loader, mask, cpu)
-        assert torch.equal(evaluate(model, progress.validation_bar(True, loader), mask, cpu), expected)
+        assert torch.equal(evaluate(model, bars.validation_bar(True, loader), mask, cpu), expected)
         assert expected[2] == VAL_IMAGES
     assert "validation" in capsys.readouterr().err
 
