@@ -323,6 +323,69 @@ def data_flags(data_dir, train=TRAIN_IMAGES, val=VAL_IMAGES) -> list:
     return ["--data-dir", data_dir, "--train-subset", train, "--val-subset", val]
 
 
+def raw_flags(data_dir, *extra) -> list:
+    """raw_ddp.py's tiny model on all of `data_dir`, --dist-timeout 60 (a rank left waiting fails the run in a
+    minute), then `extra`; without --num-gpus."""
+    return [*TINY, *data_flags(data_dir), "--dist-timeout", 60, *extra]
+
+
+def torchrun_command(*args, nproc: int = 2) -> list:
+    """torchrun (python -m torch.distributed.run) of `nproc` processes on this machine, its rendezvous on a free
+    port; `args`: the script and its flags (or --no-python and a program)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        nproc,
+        "--master_port",
+        free_port(),
+        *args,
+    ]
+
+
+def two_node_flags(node_id, port) -> list:
+    """raw_ddp.py's flags for node `node_id` of two "nodes" of one process each on this machine, meeting at `port`."""
+    return [
+        "--num-nodes",
+        2,
+        "--node-id",
+        node_id,
+        "--num-gpus",
+        1,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+
+
+def profile_flags(out: Path) -> list:
+    """2 epochs with --profile, the traces in out/trace and the log in out/log.jsonl: what check_profile reads."""
+    return ["--epochs", 2, "--profile", "--trace", out / "trace", "--log-json", out / "log.jsonl"]
+
+
+# The fast recipe at batch size 32 for 2 epochs, without the safety net: fast.yaml's extra_epochs would add a third
+# epoch whenever epoch 1 misses 0.85 and epoch 2 meets it (tests/test_safety_net.py tests the net).
+FAST_2_EPOCHS = ["--recipe", "fast", "--batch-size", 32, "--epochs", 2, "--set", "extra_epochs=0"]
+
+# The fast recipe's options that both trainers' end-to-end tests add (tests/test_fast.py, tests/test_accel.py):
+# EMA, DDP bucket view and static graph, bf16 gradient compression, flip and 1-pixel shift TTA, augmentation with
+# 2-pixel crop padding, a doubled rate for BatchNorm parameters, BatchNorm recalibration on 100 training images.
+EVERY_OPTION = [
+    "ema_decay=0.9",
+    "ddp_bucket_view=true",
+    "ddp_static_graph=true",
+    "grad_compression=bf16",
+    "tta_flip=true",
+    "tta_translate=1",
+    "augment=true",
+    "crop_padding=2",
+    "bn_lr_scale=2",
+    "bn_recalibration=100",
+]
+
+
 @pytest.fixture(scope="session")
 def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     """One plain 2-process run, shared by the tests that only read what it printed and wrote: (result, folder
@@ -336,12 +399,7 @@ def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
         "--num-gpus",
         2,
         *TINY,
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
+        *data_flags(cifar_dir),
         "--epochs",
         6,
         "--target-accuracy",
@@ -507,20 +565,7 @@ ONE_STEP = [
 def resume_flags(data_dir, *extra):
     """raw_ddp.py's flags for the shared runs, without --num-gpus (2 in the runs: two_nodes passes its own).
     --batch-size 4: 40 steps per epoch, so that a signal can stop a run in the middle of an epoch."""
-    return [
-        *TINY,
-        "--data-dir",
-        data_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
-        "--dist-timeout",
-        60,
-        "--batch-size",
-        4,
-        *extra,
-    ]
+    return raw_flags(data_dir, "--batch-size", 4, *extra)
 
 
 @dataclass
@@ -573,34 +618,16 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     profile, the profile not to the launch)."""
     out = tmp_path_factory.mktemp("torchrun_profile")
     result = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            2,
-            "--master_port",
-            free_port(),
+        torchrun_command(
             "raw_ddp.py",
             *TINY,
             "--model-width",
             8,
             "--set",
             "precision=bf16",
-            "--data-dir",
-            cifar_dir,
-            "--train-subset",
-            TRAIN_IMAGES,
-            "--val-subset",
-            VAL_IMAGES,
-            "--epochs",
-            2,
-            "--profile",
-            "--trace",
-            out / "trace",
-            "--log-json",
-            out / "log.jsonl",
-        ],
+            *data_flags(cifar_dir),
+            *profile_flags(out),
+        ),
         timeout=300,
     )
     return result, out
@@ -621,12 +648,7 @@ def rank_1_raises(cifar_dir) -> Result:
         "--num-gpus",
         2,
         *TINY,
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
+        *data_flags(cifar_dir),
         "--dist-timeout",
         300,
         env=raise_in_rank_env(1, cpu_env()),

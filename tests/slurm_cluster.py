@@ -70,6 +70,9 @@ GPUS_PER_NODE = 4
 CRED_EXPIRE = 10  # seconds; also how long a requeued job waits before it may start again
 KILL_WAIT = 30  # seconds between SIGTERM and SIGKILL when a job is cancelled (Slurm's default)
 SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+# unshare's flags for a slurmd (and the probe that it can have them): a mount and UTS namespace of its own, its
+# mounts private to it.
+OWN_NAMESPACES = ["--mount", "--uts", "--propagation", "private"]
 FINISHED = {
     "COMPLETED",
     "FAILED",
@@ -410,10 +413,7 @@ InactiveLimit=0
         probe = subprocess.run(
             [
                 unshare,
-                "--mount",
-                "--uts",
-                "--propagation",
-                "private",
+                *OWN_NAMESPACES,
                 "sh",
                 "-c",
                 f'mount --bind "$1" /etc/hosts && hostname probe-node && getent hosts {NODES[0]}',
@@ -476,10 +476,7 @@ InactiveLimit=0
                     f"slurmd-{node}",
                     [
                         which("unshare"),
-                        "--mount",
-                        "--uts",
-                        "--propagation",
-                        "private",
+                        *OWN_NAMESPACES,
                         "sh",
                         "-c",
                         'mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && hostname "$4"'

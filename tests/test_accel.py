@@ -26,6 +26,8 @@ import torch
 from conftest import (
     ACCEL_TINY,
     EPOCH_LINE,
+    EVERY_OPTION,
+    FAST_2_EPOCHS,
     ONE_STEP,
     REPO,
     TRAIN_IMAGES,
@@ -39,8 +41,10 @@ from conftest import (
     finish,
     free_port,
     parameter_distance,
+    profile_flags,
     raise_in_rank_env,
     start,
+    torchrun_command,
     wait_for_epoch,
     write_cifar,
 )
@@ -308,13 +312,7 @@ def bf16_profile_run(cifar_dir, tmp_path_factory):
         *ACCEL_TINY,
         "--model-width",
         8,
-        "--epochs",
-        2,
-        "--profile",
-        "--trace",
-        out / "trace",
-        "--log-json",
-        out / "log.jsonl",
+        *profile_flags(out),
         env=accel_env(ACCELERATE_USE_CPU=1),
     )
     return result, out
@@ -442,16 +440,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     from cifar_wrn.recipe import load_recipe, parse_set
 
     options = [
-        "ema_decay=0.9",
-        "ddp_bucket_view=true",
-        "ddp_static_graph=true",
-        "grad_compression=bf16",
-        "tta_flip=true",
-        "tta_translate=1",
-        "augment=true",
-        "crop_padding=2",
-        "bn_lr_scale=2",
-        "bn_recalibration=100",
+        *EVERY_OPTION,
         "muon=true",
         "muon_lr=0.05",
         "lookahead_steps=3",
@@ -464,14 +453,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
         "--cpu",
         *data_flags(cifar_dir),
         *ACCEL_TINY,
-        "--recipe",
-        "fast",
-        "--batch-size",
-        32,
-        "--epochs",
-        2,
-        "--set",
-        "extra_epochs=0",  # as in test_fast.py
+        *FAST_2_EPOCHS,  # as in test_fast.py
         *[a for o in options for a in ("--set", o)],
         "--save",
         tmp_path / "w.pt",
@@ -530,14 +512,7 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
     clipped: one epoch of clipped_steps: test_grad_clip_norm_bounds_the_step (the step) and
       test_anneal_epochs_freezes_the_weights_after_it (the 1-epoch run)."""
     out = tmp_path_factory.mktemp("one_step")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        2,
-        "--master_port",
-        free_port(),
+    cmd = torchrun_command(
         "accel_train.py",
         "--data-dir",
         cifar_dir,
@@ -551,7 +526,7 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
         out / "start.pt",
         "--log-json",
         out / "start.jsonl",
-    ]
+    )
     started = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
     return SimpleNamespace(
         start=started,
@@ -643,17 +618,9 @@ def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_
     other = launch("--epochs", 4, "--checkpoint-dir", ck, "--resume", "--set", "momentum=0.5")
     assert other.returncode != 0 and "error: cannot resume from" in other.stderr
     assert "momentum (0.0 -> 0.5)" in other.stderr and 'accel_train.py", line' not in other.stderr
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        1,
-        "--master_port",
-        free_port(),
-        "accel_train.py",
-        *reliability_flags(cifar_dir, "--epochs", 4, "--checkpoint-dir", ck, "--resume"),
-    ]
+    cmd = torchrun_command(
+        "accel_train.py", *reliability_flags(cifar_dir, "--epochs", 4, "--checkpoint-dir", ck, "--resume"), nproc=1
+    )
     one_process = finish(start(cmd, env=accel_env()), TIMEOUT)
     assert one_process.returncode != 0 and "written by 2 processes, this run has 1" in one_process.stderr
 

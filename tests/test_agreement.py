@@ -12,15 +12,16 @@ import pytest
 import torch
 from conftest import (
     PER_TRAIN_FILE,
-    TINY,
     TRAIN_IMAGES,
     VAL_IMAGES,
     cpu_env,
     finish,
     free_port,
+    raw_flags,
     resume_flags,
     start,
     synthetic_batch,
+    two_node_flags,
 )
 from conftest import (
     raw_ddp as run_raw,
@@ -44,41 +45,12 @@ from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import read_log
 
 
-def flags(data_dir, *extra):
-    return [
-        *TINY,
-        "--data-dir",
-        data_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
-        "--dist-timeout",
-        60,
-        *extra,
-    ]
-
-
 def two_nodes(node_flags: list[list], timeout=120):
     """Two raw_ddp.py "nodes" of one process each on this machine; node k gets node_flags[k]."""
     port = free_port()
     procs = [
         start(
-            [
-                sys.executable,
-                "raw_ddp.py",
-                "--num-nodes",
-                2,
-                "--node-id",
-                k,
-                "--num-gpus",
-                1,
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                *extra,
-            ],
+            [sys.executable, "raw_ddp.py", *two_node_flags(k, port), *extra],
             env=cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz"),
         )  # no download possible
         for k, extra in enumerate(node_flags)
@@ -249,7 +221,7 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
         raw_ddp.parse_args(
             [
                 str(f)
-                for f in flags(
+                for f in raw_flags(
                     cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port()
                 )
             ]
@@ -361,7 +333,7 @@ def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_ru
 def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
     empty = tmp_path / "empty"
     if trainer == "raw":
-        nodes = two_nodes([flags(cifar_dir, "--epochs", 1), flags(empty, "--epochs", 1)])
+        nodes = two_nodes([raw_flags(cifar_dir, "--epochs", 1), raw_flags(empty, "--epochs", 1)])
     else:
         nodes = two_accel_nodes(
             [[str(f) for f in reliability_flags(data_dir, "--epochs", 1)[1:]] for data_dir in (cifar_dir, empty)]
@@ -385,7 +357,7 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
     data_dirs = [tmp_path / "bad"] if nodes == 1 else [cifar_dir, tmp_path / "bad"]
     if trainer == "raw":
         node_flags = [
-            flags(data_dir, "--epochs", 1, "--num-gpus", 3 - nodes, "--dist-timeout", 300) for data_dir in data_dirs
+            raw_flags(data_dir, "--epochs", 1, "--num-gpus", 3 - nodes, "--dist-timeout", 300) for data_dir in data_dirs
         ]
         results = [run_raw(*node_flags[0], timeout=200)] if nodes == 1 else two_nodes(node_flags, timeout=200)
     else:
@@ -449,7 +421,13 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
     one step (64 images, 2 x 32) make every stop one at an epoch's last step: a real SIGTERM, whenever it comes."""
     ck, one_step = tmp_path / "ck", ["--train-subset", 64, "--checkpoint-dir", tmp_path / "ck"]
     if trainer == "raw":
-        command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *flags(cifar_dir, *one_step, *extra)]
+        command = lambda *extra: [
+            sys.executable,
+            "raw_ddp.py",
+            "--num-gpus",
+            2,
+            *raw_flags(cifar_dir, *one_step, *extra),
+        ]
         env, state = cpu_env(), lambda: load_checkpoint(ck)
     else:
         command = lambda *extra: accelerate_command(

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    EVERY_OPTION,
+    FAST_2_EPOCHS,
     ONE_STEP,
     TINY,
     TRAIN_IMAGES,
@@ -16,6 +18,7 @@ from conftest import (
     check_metrics_of_saved_weights,
     check_residual_bn_init,
     check_slow_bf16_warning,
+    data_flags,
     parameter_distance,
     run,
 )
@@ -114,39 +117,13 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     parameters and BatchNorm recalibration on 100 training images; the reported metrics equal a single-process
     evaluation of the saved (EMA) weights, and bench/eval_variants.py, given the last checkpoint, finds the logged
     number in its EMA + flip + shift 1 column, and recalibrating again changes little."""
-    options = [
-        "ema_decay=0.9",
-        "ddp_bucket_view=true",
-        "ddp_static_graph=true",
-        "grad_compression=bf16",
-        "tta_flip=true",
-        "tta_translate=1",
-        "augment=true",
-        "crop_padding=2",
-        "bn_lr_scale=2",
-        "bn_recalibration=100",
-    ]
-    # extra_epochs=0: fast.yaml's safety net would add a third epoch whenever epoch 1 misses 0.85 and epoch 2
-    # meets it (tests/test_safety_net.py tests the net)
     result = run_raw(
         "--num-gpus",
         2,
         *TINY,
-        "--recipe",
-        "fast",
-        "--batch-size",
-        32,
-        "--epochs",
-        2,
-        "--set",
-        "extra_epochs=0",
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
-        *[a for o in options for a in ("--set", o)],
+        *FAST_2_EPOCHS,  # (conftest: without the safety net's extra epoch)
+        *data_flags(cifar_dir),
+        *[a for o in EVERY_OPTION for a in ("--set", o)],
         "--save",
         tmp_path / "w.pt",
         "--log-json",

@@ -1,32 +1,18 @@
 """The tests' own process helpers (tests/conftest.py): a timeout ends every process a test started."""
 
 import os
-import sys
 import time
 
 import psutil
 import pytest
-from conftest import finish, free_port, start
+from conftest import finish, start, torchrun_command
 
 
 def test_a_timeout_kills_the_ranks_torchrun_put_in_sessions_of_their_own():
     """torchrun's agent starts each worker in a session of its own: killing the launcher's process group left the
     worker running and holding the test's pipes, and finish() waited for it, a hang past the timeout. Here the
     worker sleeps 600 s; finish() must fail the test soon after its 5 s timeout, and the worker be gone."""
-    proc = start(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            1,
-            "--master_port",
-            free_port(),
-            "--no-python",
-            "sleep",
-            600,
-        ]
-    )
+    proc = start(torchrun_command("--no-python", "sleep", 600, nproc=1))
     deadline, workers = time.monotonic() + 120, []
     while not workers:
         assert time.monotonic() < deadline, "torchrun never started its worker"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, free_port, run
+from conftest import REPO, TINY, cpu_env, data_flags, free_port, run
 from conftest import raw_ddp as run_raw
 from torch.utils.data import BatchSampler, DistributedSampler
 
@@ -321,12 +321,7 @@ def test_every_lever_end_to_end_and_resumed_exactly(cifar_dir, tmp_path):
         "fast",
         "--batch-size",
         32,
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
+        *data_flags(cifar_dir),
         "--dist-timeout",
         60,
         *[a for o in LEVERS + ["lr_schedule=constant", "extra_epochs=0"] for a in ("--set", o)],

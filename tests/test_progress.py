@@ -24,7 +24,7 @@ import time
 
 import pytest
 import torch
-from conftest import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, kill_all
+from conftest import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, data_flags, kill_all
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -223,12 +223,7 @@ def raw_command(data_dir, *flags):
         *TINY,
         "--dist-timeout",
         60,
-        "--data-dir",
-        data_dir,
-        "--train-subset",
-        320,
-        "--val-subset",
-        VAL_IMAGES,
+        *data_flags(data_dir),
         "--epochs",
         1,
         *flags,

@@ -19,6 +19,7 @@ from conftest import (
     free_port,
     run,
     start,
+    two_node_flags,
 )
 from conftest import (
     raw_ddp as run_raw,
@@ -278,16 +279,7 @@ def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
 def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     port = free_port()
     result = run_raw(
-        "--num-nodes",
-        2,
-        "--node-id",
-        0,
-        "--num-gpus",
-        1,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
+        *two_node_flags(0, port),
         "--dist-timeout",
         5,
         *TINY,

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import TINY, TRAIN_IMAGES, VAL_IMAGES, finish, resume_flags, start, wait_for_epoch
+from conftest import finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
 from conftest import raw_ddp as run_raw
 
 from cifar_wrn.checkpoint import (
@@ -28,20 +28,7 @@ from cifar_wrn.runlog import read_log
 
 
 def flags(cifar_dir, *extra):
-    return [
-        "--num-gpus",
-        2,
-        *TINY,
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
-        "--dist-timeout",
-        60,
-        *extra,
-    ]
+    return ["--num-gpus", 2, *raw_flags(cifar_dir, *extra)]
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -351,21 +338,9 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 
 def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
     """torchrun's agent passes SIGTERM on to its workers; the ranks agree, checkpoint and stop."""
-    from conftest import free_port
-
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]
     proc = start(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            2,
-            "--master_port",
-            free_port(),
-            "raw_ddp.py",
-            *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")[2:],
-        ]
+        torchrun_command("raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")[2:])
     )
     wait_for_epoch(tmp_path / "l.jsonl")
     os.kill(proc.pid, signal.SIGTERM)

@@ -14,6 +14,13 @@ from cifar_wrn import report
 EXACT = 1e-9
 
 
+def run_report(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m cifar_wrn.report ARGS` from the checkout, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "cifar_wrn.report", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def write_log(path, nodes, gpus, epochs, target=0.85, patience=2, **header):
     """A log as the trainers write it. epochs: (epoch_time, images_per_sec, val_accuracy[, profile])."""
     records = [
@@ -231,22 +238,7 @@ def test_the_gpu_and_cpu_logs_of_this_project_get_no_speedup(tmp_path):
     """h200-fast (1 H200 GPU, an older fast.yaml) and fast8 (2 CPU processes): no pair, and the report says why;
     fast8's row holds only what its own log gives (scaling_cells), no speedup columns."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cifar_wrn.report",
-            RUNS / "h200-fast.jsonl",
-            RUNS / "fast8.jsonl",
-            "--out",
-            out,
-            "--no-figures",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_report(RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl", "--out", out, "--no-figures")
     assert result.returncode == 0, result.stderr
     text = (out / "report.md").read_text()
     scaling = text.split("## Scaling")[1].split("## Demonstrate 1")[0]
@@ -308,13 +300,7 @@ def test_figures_are_written(logs, tmp_path):
     ]
     profiled = write_log(tmp_path / "prof.jsonl", 1, 1, prof)
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "cifar_wrn.report", logs["one"], logs["two"], logs["four"], profiled, "--out", out],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_report(logs["one"], logs["two"], logs["four"], profiled, "--out", out)
     assert result.returncode == 0, result.stderr
     names = {
         "accuracy_vs_time.png",
@@ -417,13 +403,7 @@ def test_bad_files_give_one_clear_line_and_exit_2(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     for what, (path, message) in bad_inputs(logs).items():
-        result = subprocess.run(
-            [sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = run_report(path, "--out", tmp_path / "out", timeout=60)
         assert result.returncode == 2, (what, result.stderr)
         assert result.stderr.startswith("error: ") and message in result.stderr, (what, result.stderr)
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, what
@@ -585,13 +565,7 @@ def test_two_runs_in_one_file_end_in_one_error_line(tmp_path):
     path = resumed_log(
         tmp_path / "two.jsonl", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"recipe_edits": {"base_lr": 0.1}}}
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "cifar_wrn.report", path, "--out", tmp_path / "out"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_report(path, "--out", tmp_path / "out")
     assert result.returncode == 2
     assert result.stderr == (
         f"error: {path}, line 4: this header is not a resume of the run of line 1 (the recipe "
@@ -639,13 +613,7 @@ def test_the_committed_resumed_logs_are_each_one_run():
 
 
 def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path, "--no-figures"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_report(RUNS / "fast8.jsonl", "--out", tmp_path, "--no-figures")
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "report.md").read_text()
     for row in (
@@ -707,23 +675,15 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
         "optimisations:\n  bn_recalibration: my own words on recalibration\nsteps:\n  R1.7: my pinning words\n"
     )
     pdf = tmp_path / "report.pdf"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cifar_wrn.report",
-            RUNS / "h200-fast.jsonl",
-            RUNS / "fast8.jsonl",
-            "--out",
-            tmp_path / "out",
-            "--pdf",
-            pdf,
-            "--notes",
-            notes,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_report(
+        RUNS / "h200-fast.jsonl",
+        RUNS / "fast8.jsonl",
+        "--out",
+        tmp_path / "out",
+        "--pdf",
+        pdf,
+        "--notes",
+        notes,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -809,13 +769,7 @@ def test_bad_notes_are_refused(tmp_path, content, message):
 def test_bad_notes_are_refused_before_any_output(tmp_path):
     notes = tmp_path / "notes.yaml"
     notes.write_text("bogus:\n  why: x\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "cifar_wrn.report", RUNS / "fast8.jsonl", "--out", tmp_path / "out", "--notes", notes],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_report(RUNS / "fast8.jsonl", "--out", tmp_path / "out", "--notes", notes)
     assert result.returncode == 2 and result.stderr.startswith(f"error: --notes {notes}: expected steps:")
     assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
 

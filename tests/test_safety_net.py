@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EPOCH_LINE, TINY, TRAIN_IMAGES, VAL_IMAGES, cpu_env, finish, start, wait_for_epoch
+from conftest import EPOCH_LINE, TINY, cpu_env, data_flags, finish, start, wait_for_epoch
 from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
 
 from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
@@ -118,12 +118,7 @@ def test_extra_epochs_is_checked_and_only_fast_turns_it_on():
 def command(trainer, cifar_dir, ck, *extra) -> tuple[list, dict]:
     """(command line, environment) of a 2-process run of `trainer` with a 2-epoch budget and target 0."""
     common = [
-        "--data-dir",
-        cifar_dir,
-        "--train-subset",
-        TRAIN_IMAGES,
-        "--val-subset",
-        VAL_IMAGES,
+        *data_flags(cifar_dir),
         "--epochs",
         2,
         "--target-accuracy",
