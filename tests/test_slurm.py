@@ -542,7 +542,9 @@ echo "srun status after TERM: $?"
     out = job.output
     assert "task 0 got USR1" in out and "task 1 got USR1" in out and "srun status after USR1: 0" in out, job.describe()
     assert "forcing job termination" in out and re.search(r"srun status after TERM: [1-9]", out), job.describe()
-    assert "got TERM" not in out and out.count(": Killed") == 2, job.describe()  # SIGKILL, not SIGTERM
+    # SIGKILL, not SIGTERM. srun reports each node's "Killed" as it hears of it and may exit before the second
+    # report; that both tasks ended is what the bound and the leftovers check below establish.
+    assert "got TERM" not in out and 1 <= out.count(": Killed") <= 2, job.describe()
     assert job.seconds < 90 and not job.leftovers, job.describe()  # a task left running would sleep 120 s
 
 
