@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from cifar_wrn.cli import free_port  # noqa: E402
-from cifar_wrn.runlog import read_log  # noqa: E402
+from common import REPO, raw_ddp_command  # bench/common.py; it puts cifar_wrn on sys.path
+
+from cifar_wrn.cli import free_port
+from cifar_wrn.runlog import read_log
 
 
 def command(trainer: str, args, log: Path) -> list[str]:
@@ -53,19 +53,7 @@ def command(trainer: str, args, log: Path) -> list[str]:
         str(log),
     ]
     if trainer == "raw":
-        return [
-            sys.executable,
-            "raw_ddp.py",
-            "--num-nodes",
-            "1",
-            "--node-id",
-            "0",
-            "--num-gpus",
-            str(args.processes),
-            "--device",
-            args.device,
-            *common,
-        ]
+        return raw_ddp_command(args.processes, "--device", args.device, *common)
     config = "two_cpus.yaml" if args.device == "cpu" else "two_gpus.yaml"
     return [
         sys.executable,

@@ -10,18 +10,16 @@ Both produce normalised float batches on --device; the ratio is device / baselin
 """
 
 import argparse
-import sys
 import time
 
-CLOCK = time.perf_counter  # or time.process_time with --clock cpu
-from pathlib import Path
-
 import torch
+from common import add_timing_flags, timing_clock  # bench/common.py; it puts cifar_wrn on sys.path
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import CIFAR10, dataset_present, load_split  # noqa: E402
-from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
+from cifar_wrn.data import CIFAR10, dataset_present, load_split
+from cifar_wrn.pipeline import DeviceBatches
+
+CLOCK = time.perf_counter  # or time.process_time with --clock cpu
 
 
 def images_per_sec(loader, device, batches: int) -> float:
@@ -43,23 +41,14 @@ def images_per_sec(loader, device, batches: int) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data", help="CIFAR-10 folder; random images when it is missing")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
-        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)",
-    )
+    add_timing_flags(p)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers for the baseline on GPU")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = timing_clock(args)
     device = torch.device(args.device)
     if dataset_present(args.data_dir):
         images, labels = load_split(args.data_dir, train=True)

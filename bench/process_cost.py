@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, raw_ddp_command  # bench/common.py
+
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import LEAN_GC, TINY, TRAIN_IMAGES, VAL_IMAGES, write_cifar  # noqa: E402
 
@@ -35,15 +36,8 @@ def one_run(data_dir: Path, lean_gc: bool) -> tuple[float, float]:
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
     if lean_gc:
         env["PYTHONPATH"] = str(LEAN_GC)
-    cmd = [
-        sys.executable,
-        "raw_ddp.py",
-        "--num-nodes",
-        "1",
-        "--node-id",
-        "0",
-        "--num-gpus",
-        "2",
+    cmd = raw_ddp_command(
+        2,
         *map(str, TINY),
         "--data-dir",
         str(data_dir),
@@ -53,7 +47,7 @@ def one_run(data_dir: Path, lean_gc: bool) -> tuple[float, float]:
         str(VAL_IMAGES),
         "--epochs",
         "2",
-    ]
+    )
     cpu0, t0 = children_cpu(), time.monotonic()
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
     return time.monotonic() - t0, children_cpu() - cpu0

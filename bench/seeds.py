@@ -19,9 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import seeds_summary  # noqa: E402
+import seeds_summary
+from common import REPO, raw_ddp_command  # bench/common.py
 
 
 def lever_lines(n: int, first: int, sets: list[str]) -> list[str]:
@@ -29,20 +28,14 @@ def lever_lines(n: int, first: int, sets: list[str]) -> list[str]:
     return [" ".join([*sets, f"seed={seed}"]) for seed in range(first, first + n)]
 
 
-def cpu_commands(recipe: str, n: int, first: int, sets: list[str], out, extra: list) -> list[list[str]]:
+def cpu_commands(recipe: str, n: int, first: int, sets: list[str], out, extra: list, num_gpus=2) -> list[list[str]]:
     """raw_ddp.py command lines, one per seed, each with its own checkpoint folder so that it can be resumed."""
     commands = []
     for seed in range(first, first + n):
         overrides = [a for kv in [*sets, f"seed={seed}"] for a in ("--set", kv)]
         commands.append(
-            [
-                sys.executable,
-                "raw_ddp.py",
-                "--num-nodes",
-                "1",
-                "--node-id",
-                "0",
-                *(["--num-gpus", "2"] if "--num-gpus" not in extra else []),
+            raw_ddp_command(
+                num_gpus,
                 *extra,
                 "--recipe",
                 recipe,
@@ -52,7 +45,7 @@ def cpu_commands(recipe: str, n: int, first: int, sets: list[str], out, extra: l
                 *overrides,
                 "--log-json",
                 f"{out}/seed-{seed}.jsonl",
-            ]
+            )
         )
     return commands
 
@@ -64,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", default="fast", help="CPU runs only: the recipe (gpu_sweep.sh runs fast.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the same override for every seed")
     p.add_argument("--out", default="runs/seeds", help="CPU runs: folder for the logs and checkpoints")
+    p.add_argument("--num-gpus", type=int, help="CPU runs: processes (raw_ddp.py --num-gpus; default 2)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--emit", action="store_true", help="only print the gpu_sweep.sh lever lines")
     mode.add_argument("--gpu", metavar="COMMIT", help="run the seeds through bench/gpu_sweep.sh (recorded commit)")
@@ -79,7 +73,7 @@ def main(argv=None) -> int:
         print("\n".join(lines))
         return 0
     if args.gpu:
-        if args.recipe != "fast" or extra:
+        if args.recipe != "fast" or extra or args.num_gpus:
             print(
                 "error: --gpu runs fast.yaml through bench/gpu_sweep.sh: no --recipe, no trainer flags", file=sys.stderr
             )
@@ -94,7 +88,7 @@ def main(argv=None) -> int:
             os.unlink(levers.name)
     out = Path(args.out).resolve()  # the runs start in the repository root
     out.mkdir(parents=True, exist_ok=True)
-    for command in cpu_commands(args.recipe, args.seeds, args.first, args.set, out, extra):
+    for command in cpu_commands(args.recipe, args.seeds, args.first, args.set, out, extra, args.num_gpus or 2):
         print("$ " + " ".join(command), flush=True)
         status = subprocess.run(command, cwd=REPO).returncode
         if status != 0:

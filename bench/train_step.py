@@ -16,23 +16,20 @@ this device's bf16 is fast at all (a CPU without AVX-512 has no bfloat16 kernels
 """
 
 import argparse
-import sys
+import dataclasses
 import time
 
-CLOCK = time.perf_counter  # or time.process_time with --clock cpu
-from pathlib import Path
-
 import torch
+from common import add_timing_flags, timing_clock  # bench/common.py; it puts cifar_wrn on sys.path
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import dataclasses  # noqa: E402
+from cifar_wrn.data import CIFAR10
+from cifar_wrn.model import WideResNet
+from cifar_wrn.optim import build_optimizer, scaled_lr
+from cifar_wrn.pipeline import DeviceBatches, alternating_flips
+from cifar_wrn.recipe import load_recipe
 
-from cifar_wrn.data import CIFAR10  # noqa: E402
-from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.optim import build_optimizer, scaled_lr  # noqa: E402
-from cifar_wrn.pipeline import DeviceBatches, alternating_flips  # noqa: E402
-from cifar_wrn.recipe import load_recipe  # noqa: E402
+CLOCK = time.perf_counter  # or time.process_time with --clock cpu
 
 LEVERS = {
     "muon": dict(muon=True),
@@ -91,15 +88,7 @@ def rate(step, batch_size, steps, device) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="cpu: this process's CPU seconds (time.process_time) instead of wall-clock seconds; with "
-        "--threads 1 it is nearly immune to other load on a shared machine (CPU device only)",
-    )
+    add_timing_flags(p)
     p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
@@ -108,9 +97,8 @@ def main():
     p.add_argument("--levers", action="store_true", help="also time fast.yaml with each lever of optimizations.md 14")
     p.add_argument("--fp32", action="store_true", help="also time fast.yaml with precision fp32")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = timing_clock(args)
     device = torch.device(args.device)
     images = torch.randint(0, 256, (8192, 3, 32, 32), dtype=torch.uint8)  # content does not change step time
     labels = torch.randint(0, 10, (8192,))
