@@ -92,12 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
         help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
         "(or set ACCELERATE_USE_CPU=1)",
     )
-    p.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=600.0,
-        help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)",
-    )
     add_training_flags(p)
     return p.parse_args(argv)
 

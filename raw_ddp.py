@@ -101,12 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
         help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)",
     )
     p.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=600.0,
-        help="seconds any collective (and the start-up rendezvous) may wait before failing (default 600)",
-    )
-    p.add_argument(
         "--device",
         choices=["auto", "cuda", "cpu"],
         default="auto",

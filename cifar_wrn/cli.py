@@ -14,15 +14,11 @@ RECIPE_FLAGS = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience"
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The flags both trainers take; docs/flags.md explains each."""
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (default 600)")
     p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
     p.add_argument("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one recipe key, e.g. --set momentum=0.9 (repeatable)",
-    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key (repeatable)")
     p.add_argument("--epochs", type=int, help="maximum epochs (recipe: 40)")
     p.add_argument("--batch-size", type=int, help="images per process per step (recipe: 32)")
     p.add_argument("--base-lr", type=float, help="learning rate at the reference batch size (recipe: 0.01)")
@@ -30,44 +26,16 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
     p.add_argument("--seed", type=int, help="random seed (recipe: 0)")
     p.add_argument("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
-    p.add_argument(
-        "--log-json",
-        metavar="PATH",
-        help="the JSON-lines log: a header, then one object per epoch (default: a new folder under "
-        "$RUNS_DIR, default runs/; give it with --auto-resume so that a resumed run continues it)",
-    )
+    p.add_argument("--log-json", metavar="PATH", help="the JSON-lines log (default: a new folder under runs/)")
     p.add_argument("--train-subset", type=int, metavar="N", help="train on the first N images only")
     p.add_argument("--val-subset", type=int, metavar="N", help="validate on the first N images only")
-    p.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="write a checkpoint into DIR after every epoch and on SIGUSR1/SIGTERM (a folder every node sees)",
-    )
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint each epoch and on SIGUSR1/SIGTERM")
     p.add_argument("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
-    p.add_argument(
-        "--auto-resume",
-        action="store_true",
-        help="continue from DIR's checkpoint if it exists, else start fresh (for requeued jobs)",
-    )
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="per epoch: time in data, forward, backward, optimizer, and an all-reduce cost estimate",
-    )
+    p.add_argument("--auto-resume", action="store_true", help="continue from DIR's checkpoint if any, else start fresh")
+    p.add_argument("--profile", action="store_true", help="per epoch: time in data, forward, backward, optimizer")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
-    p.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="a live progress bar on stderr during each epoch and validation, from rank 0: auto (the "
-        "default) when stderr is a terminal, never in a file or pipe; on: always; off: never",
-    )
-    p.add_argument(
-        "--model-width",
-        type=int,
-        default=COURSE_WIDTH,
-        help=f"tests only: first block width (default {COURSE_WIDTH}, the course model; never change it in a real run)",
-    )
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="live bars (auto: on a terminal)")
+    p.add_argument("--model-width", type=int, default=COURSE_WIDTH, help="tests only: never change it in a real run")
 
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:
