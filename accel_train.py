@@ -37,7 +37,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.bars import EpochBar, validation_bar
 from cifar_wrn.checkpoint import (
-    failure,
+    attempt,
     fresh_folder,
     latest_checkpoint,
     publish_checkpoint,
@@ -396,7 +396,7 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
         return Progress()
     folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
     if state is not None:
-        problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
+        problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or attempt(
             restore_accel,
             run.accelerator,
             folder,
@@ -441,10 +441,10 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
     incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
     leftover = incomplete if rank == 0 else None
     # each step's outcome to all ranks (also the barrier)
-    stop_unless_written(gather_object([failure(fresh_folder, incomplete) if rank == 0 else None]), args.checkpoint_dir)
-    problem = failure(write_folder, run.accelerator.save_state, incomplete, state if rank == 0 else None)
+    stop_unless_written(gather_object([attempt(fresh_folder, incomplete) if rank == 0 else None]), args.checkpoint_dir)
+    problem = attempt(write_folder, run.accelerator.save_state, incomplete, state if rank == 0 else None)
     stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
-    problem = failure(publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
+    problem = attempt(publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
     stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
     return latest_checkpoint(args.checkpoint_dir)
 

@@ -39,8 +39,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.bars import EpochBar, validation_bar
 from cifar_wrn.checkpoint import (
+    attempt,
     checkpoint_path,
-    failure,
     read_for_resume,
     restore_raw,
     resume_disagreement,
@@ -385,7 +385,7 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
         return Progress()
     checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
     if checkpoint is not None:
-        problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or failure(
+        problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or attempt(
             restore_raw, checkpoint, run
         )
     seen = [None] * world_size
@@ -433,7 +433,7 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
             "model_width": args.model_width,
             **data.sizes(),
         }
-        problem = failure(save_atomic, state, path)
+        problem = attempt(save_atomic, state, path)
     outcome = [problem]
     dist.broadcast_object_list(outcome, src=0)  # also the barrier
     stop_unless_written(outcome, args.checkpoint_dir)

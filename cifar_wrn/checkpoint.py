@@ -76,8 +76,8 @@ def why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
-def failure(action, *args) -> str | None:
-    """None if action(*args) succeeded, else why it failed, in one line."""
+def attempt(action, *args) -> str | None:
+    """Runs action(*args): None if it worked, else what went wrong in one line, for the ranks to gather."""
     try:
         action(*args)
     except CheckpointError as exc:
@@ -92,7 +92,8 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
     problem = agreed_problem(problems)
     if problem:
         if leftover:
-            failure(_remove, leftover)
+            with contextlib.suppress(OSError):
+                _remove(leftover)
         raise RunStopped(
             f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint "
             f"there is intact, and every rank stopped",
@@ -229,10 +230,12 @@ def publish_checkpoint(directory, incomplete: str) -> str:
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(directory, LATEST))
     finally:
-        failure(os.unlink, tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     _fsync_folder(directory)
     if previous:
-        failure(_remove, previous)  # the new checkpoint is in force already
+        with contextlib.suppress(OSError):  # the new checkpoint is in force already
+            _remove(previous)
     return folder
 
 

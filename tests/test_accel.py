@@ -646,11 +646,11 @@ def worker_processes(launcher_pid, count=2, timeout=60):
 def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     """SIGUSR1 goes to the ranks (not to accelerate launch: torchrun's agent has no handler for it and would
     die, leaving the ranks running). They agree at the next check, write a checkpoint and exit 75; the agent
-    reports that as a failed child, so accelerate launch itself fails (docs/accelerate.md, Preemption)."""
+    reports that as a failed child, so accelerate launch itself fails (docs/accelerate.md, Preemption).
+    SIGTERM to accelerate launch, and the resume: test_a_stop_signal_checkpoints_and_the_run_resumes_exactly
+    (test_reliability.py)."""
     ck = tmp_path / "ck"
-    # 40 steps per epoch; the device pipeline: a prepared loader fetches the next batch before the step, so with
-    # the per-image pipeline a mid-epoch resume is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
-    long_epochs = ["--batch-size", 4, "--epochs", 3, "--set", "data_pipeline=device", "--checkpoint-dir", ck]
+    long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck]  # 40 steps per epoch
     cmd = accelerate_command(
         CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")
     )
@@ -665,57 +665,6 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
     state = read_training_state(accel_train.latest_checkpoint(ck))
     assert 0 < state["step"] <= 40 and not state["finished"]
-    resumed = accelerate_launch(
-        CONFIGS / "two_cpus.yaml",
-        *reliability_flags(
-            cifar_dir,
-            *long_epochs,
-            "--auto-resume",
-            "--log-json",
-            tmp_path / "l.jsonl",
-            "--save",
-            tmp_path / "resumed.pt",
-        ),
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f": epoch {state['epoch'] + 1}, step {state['step']} of 40" in resumed.stdout
-    _, epochs = read_log(tmp_path / "l.jsonl")
-    assert [e["epoch"] for e in epochs] == [1, 2, 3]
-    # and, resumed in the middle of an epoch, it ends with the weights of a run never stopped, bit for bit
-    straight = accelerate_launch(
-        CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *long_epochs[:-2], "--save", tmp_path / "straight.pt")
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-# accelerate launch's status once its torchrun agent has passed a SIGTERM on: accelerate < 1.16 lets the agent's
-# SignalException end the process (exit 1), 1.16 and later exit 128 + the signal.
-LAUNCHER_SIGTERM_EXITS = (1, 128 + signal.SIGTERM)
-
-
-def test_sigterm_to_accelerate_launch_is_passed_on_and_checkpoints(cifar_dir, tmp_path):
-    """SIGTERM to the accelerate launch process: torchrun's agent sends SIGTERM to the ranks (and SIGKILL 30 s
-    later); they checkpoint at the next check and exit 75; the agent re-raises the signal, so the launcher fails
-    (exit 1 before accelerate 1.16, 128 + 15 from it on)."""
-    ck = tmp_path / "ck"
-    cmd = accelerate_command(
-        CONFIGS / "two_cpus.yaml",
-        *reliability_flags(
-            cifar_dir, "--batch-size", 4, "--epochs", 3, "--checkpoint-dir", ck, "--log-json", tmp_path / "l.jsonl"
-        ),
-    )
-    proc = start(cmd, env=accel_env())
-    ranks = worker_processes(proc.pid)
-    wait_for_epoch(tmp_path / "l.jsonl")
-    proc.send_signal(signal.SIGTERM)
-    result = finish(proc, TIMEOUT)
-    assert result.returncode in LAUNCHER_SIGTERM_EXITS and "Received 15 death signal" in result.stderr, result.stderr
-    assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
-    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind
-    state = read_training_state(accel_train.latest_checkpoint(ck))
-    assert state["step"] > 0 and not state["finished"]
 
 
 def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):

@@ -41,7 +41,6 @@ from cifar_wrn.checkpoint import (
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import WideResNet
 from cifar_wrn.profiling import PHASES
-from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import read_log
 
 
@@ -377,41 +376,7 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
         assert "Epoch = " not in result.stdout
 
 
-# ----------------------------------------------------------------------------- stop signals
-
-
-def test_sigterm_to_every_process_checkpoints_and_resumes_exactly(cifar_dir, tmp_path, resume_runs):
-    """What Slurm does at scancel or the time limit: SIGTERM to the launcher AND to every rank. The run resumed
-    in the middle of the epoch ends with the weights of a run never stopped (conftest's resume_runs.straight: these
-    flags, no checkpoint), bit for bit (CPU: no loader workers; dropout active). It did not while each new DataLoader
-    iterator drew its seed from the global random stream."""
-    long_epochs = ["--num-gpus", 2, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
-    proc = start(
-        [sys.executable, "raw_ddp.py", *resume_flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")]
-    )
-    from conftest import wait_for_epoch
-
-    wait_for_epoch(tmp_path / "l.jsonl")
-    os.killpg(proc.pid, signal.SIGTERM)  # the launcher leads its own session: this reaches every rank
-    result = finish(proc, 60)
-    assert result.returncode == PREEMPTED_EXIT, result.stderr
-    assert "stopped by a signal at epoch 2, step" in result.stderr and "checkpoint written" in result.stderr
-    checkpoint = load_checkpoint(tmp_path / "ck")
-    assert checkpoint["epoch"] == 1 and 0 < checkpoint["step"] < 40
-    resumed = run_raw(
-        *resume_flags(
-            cifar_dir, *long_epochs, "--resume", "--log-json", tmp_path / "l.jsonl", "--save", tmp_path / "resumed.pt"
-        )
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"epoch 2, step {checkpoint['step']} of 40" in resumed.stdout
-    _, epochs = read_log(tmp_path / "l.jsonl")
-    assert [e["epoch"] for e in epochs] == [1, 2]
-    a, b = torch.load(resume_runs.folder / "straight" / "w.pt"), torch.load(tmp_path / "resumed.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-# ----------------------------------------------------------------------------- --profile after such a resume
+# ----------------------------------------------------------------------------- --profile after a resume
 
 
 @pytest.mark.parametrize("trainer", ["raw", "accel"])

@@ -21,6 +21,7 @@ import sys
 import termios
 import threading
 import time
+from subprocess import DEVNULL, PIPE
 
 import pytest
 import torch
@@ -246,13 +247,7 @@ def run_in_terminal(cmd, env) -> tuple[int, str, str]:
     attributes[1] &= ~termios.OPOST  # no "\n" -> "\r\n": every carriage return read back was written by the run
     termios.tcsetattr(terminal, termios.TCSANOW, attributes)
     proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=terminal,
-        start_new_session=True,
+        list(map(str, cmd)), cwd=REPO, env=env, stdin=DEVNULL, stdout=PIPE, stderr=terminal, start_new_session=True
     )
     os.close(terminal)
     out_fd = proc.stdout.fileno()
@@ -287,13 +282,7 @@ def run_to_files(cmd, env, folder) -> tuple[int, str, str]:
     """Run with stdout and stderr in files, as a Slurm job or a CI log has them."""
     with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
         proc = subprocess.Popen(
-            [str(c) for c in cmd],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
+            list(map(str, cmd)), cwd=REPO, env=env, stdin=DEVNULL, stdout=out, stderr=err, start_new_session=True
         )
         try:
             proc.wait(timeout=TIMEOUT)

@@ -1,6 +1,7 @@
 """Checkpoint and resume, preemption, crashed ranks, non-finite loss: nothing lost, nothing hangs."""
 
 import io
+import json
 import os
 import re
 import signal
@@ -11,12 +12,14 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
+from conftest import EPOCH_LINE, cpu_env, finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
 from conftest import raw_ddp as run_raw
+from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags, worker_processes
 
 from cifar_wrn.checkpoint import (
     CheckpointError,
     check_writable,
+    latest_checkpoint,
     load_checkpoint,
     read_training_state,
     resume_problem,
@@ -249,9 +252,10 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
 # ----------------------------------------------------------------------------- preemption and faults
 
 
-def test_sigusr1_to_the_launcher_checkpoints_exits_75_and_auto_resumes(cifar_dir, tmp_path):
-    """SIGUSR1 to mp.spawn's launcher: a checkpoint in the middle of epoch 2 and PREEMPTED_EXIT (75, on which the
-    Slurm scripts requeue: tests/test_slurm.py); --auto-resume continues from that step to the end."""
+def test_sigusr1_to_the_launcher_checkpoints_and_exits_75(cifar_dir, tmp_path):
+    """SIGUSR1 to mp.spawn's launcher alone (Slurm's --signal=B:USR1): the launcher passes it on, the ranks write a
+    checkpoint in the middle of epoch 2 and the run exits PREEMPTED_EXIT (75, on which the Slurm scripts requeue:
+    tests/test_slurm.py). Its resume: test_a_stop_signal_checkpoints_and_the_run_resumes_exactly, below."""
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]  # 40 steps per epoch
     proc = start([sys.executable, "raw_ddp.py", *flags(cifar_dir, *long_epochs, "--log-json", tmp_path / "l.jsonl")])
     wait_for_epoch(tmp_path / "l.jsonl")
@@ -261,11 +265,6 @@ def test_sigusr1_to_the_launcher_checkpoints_exits_75_and_auto_resumes(cifar_dir
     assert "stopped by a signal at epoch 2, step" in result.stderr and "Traceback" not in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
     assert (checkpoint["epoch"], checkpoint["finished"]) == (1, False) and 0 < checkpoint["step"] <= 40  # in epoch 2
-    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json", tmp_path / "l.jsonl"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"Resuming from {tmp_path / 'ck' / 'checkpoint.pt'}: epoch 2, step {checkpoint['step']}" in resumed.stdout
-    _, epochs = read_log(tmp_path / "l.jsonl")
-    assert [e["epoch"] for e in epochs] == [1, 2, 3]
 
 
 def rank_processes(launcher_pid, count=2, timeout=60):
@@ -348,8 +347,87 @@ def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
     assert result.returncode != 0  # torchrun reports its own SignalException
     assert "stopped by a signal at epoch 2, step" in result.stderr
     checkpoint = load_checkpoint(tmp_path / "ck")
-    assert checkpoint["epoch"] == 1 and checkpoint["step"] > 0
-    resumed = run_raw(*flags(cifar_dir, *long_epochs, "--auto-resume", "--log-json", tmp_path / "l.jsonl"))
-    assert resumed.returncode == 0, resumed.stderr
-    _, epochs = read_log(tmp_path / "l.jsonl")
-    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    assert (checkpoint["epoch"], checkpoint["finished"]) == (1, False) and checkpoint["step"] > 0
+
+
+# ----------------------------------------------------------------------------- the stop -> checkpoint -> resume flow
+# Once per trainer, here. It runs inside the safety net (test_safety_net.py has the rule): a resume that lost the
+# scheduler's place among the net's epochs would train at the wrong rates and show in the weights.
+
+# accelerate launch's status once its torchrun agent has passed a SIGTERM on: accelerate < 1.16 lets the agent's
+# SignalException end the process (exit 1), 1.16 and later exit 128 + the signal.
+LAUNCHER_SIGTERM_EXITS = (1, 128 + signal.SIGTERM)
+NET = [
+    *("--epochs", 2, "--target-accuracy", 0.0, "--patience", 6, "--set", "extra_epochs=4"),  # ends at epoch 6
+    *("--set", "lr_schedule=warmup_linear", "--set", "warmup_epochs=0.5"),
+]
+
+
+def preemptible(trainer, cifar_dir):
+    """(command(*flags), environment) of 2-process runs of `trainer`: NET, 40 steps per epoch (batch 4)."""
+    if trainer == "raw":
+        command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *resume_flags(cifar_dir, *NET, *extra)]
+        return command, cpu_env()
+    # the device pipeline: accel_train.py's prepared loader fetches a batch ahead, so with the per-image pipeline
+    # a resume in the middle of an epoch is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
+    flags = reliability_flags(cifar_dir, "--batch-size", 4, "--set", "data_pipeline=device", *NET)
+    return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *flags, *extra), accel_env()
+
+
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_path, trainer):
+    """A SIGTERM as Slurm sends it: to raw_ddp.py's launcher and every rank (scancel, the time limit), to accelerate
+    launch alone (--signal=B:TERM; its torchrun agent passes it on). Sent once the safety net's first epoch is
+    logged, it stops the run in the middle of a later epoch: the ranks agree, write a checkpoint and exit 75
+    (accelerate launch fails, as its agent re-raises the signal). --auto-resume continues from that step, and
+    the run ends as one never stopped: the same epoch records, numbered on (one safety-net record, extra_epoch
+    counted from the budget's end), and bit for bit the same weights (CPU: no loader workers; dropout active)."""
+    command, env = preemptible(trainer, cifar_dir)
+    straight = finish(start(command("--save", tmp_path / "s.pt", "--log-json", tmp_path / "s.jsonl"), env=env), 240)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    last_line = "Early stopping after epoch 6 (4 safety-net epoch(s) after the 2-epoch budget)"
+    assert [int(n) for n in EPOCH_LINE.findall(straight.stdout)] == list(range(1, 7)) and last_line in straight.stdout
+
+    ck, log = tmp_path / "ck", tmp_path / "l.jsonl"
+    proc = start(command("--checkpoint-dir", ck, "--log-json", log), env=env)
+    ranks = rank_processes(proc.pid) if trainer == "raw" else worker_processes(proc.pid)
+    wait_for_epoch(log, text='"extra_epoch"')  # the net's first epoch (epoch 3) is logged
+    os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, 240)
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind
+    latest = ck / "checkpoint.pt" if trainer == "raw" else latest_checkpoint(ck)
+    state = load_checkpoint(ck) if trainer == "raw" else read_training_state(latest)
+    epoch, step = state["epoch"], state["step"]  # the epochs finished, the steps done of the next one
+    if trainer == "raw":
+        assert stopped.returncode == PREEMPTED_EXIT and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    else:
+        assert stopped.returncode in LAUNCHER_SIGTERM_EXITS, stopped.stderr[-3000:]
+        assert "Received 15 death signal" in stopped.stderr
+    assert 3 <= epoch < 6 and 0 < step < 40 and not state["finished"], (epoch, step, stopped.stderr[-3000:])
+    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr
+    assert [int(n) for n in EPOCH_LINE.findall(stopped.stdout)] == list(range(1, epoch + 1))
+    assert stopped.stdout.count("Safety net: ") == 1 and re.search(
+        r"^Epoch =  2: .*\nSafety net: ", stopped.stdout, re.M
+    )
+
+    resumed = command("--checkpoint-dir", ck, "--auto-resume", "--log-json", log, "--save", tmp_path / "r.pt")
+    resumed = finish(start(resumed, env=env), 240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from {latest}: epoch {epoch + 1}, step {step} of 40" in resumed.stdout, resumed.stdout
+    assert [int(n) for n in EPOCH_LINE.findall(resumed.stdout)] == list(range(epoch + 1, 7))
+    assert last_line in resumed.stdout and "Safety net: " not in resumed.stdout  # said once, at the budget's end
+
+    # The log as written (read_log would hide a repeated epoch): the stopped run's records, then the resumed
+    # run's, each epoch once, and what each says the same as the run never stopped.
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["resumed_at"] for r in records if r["kind"] == "header"] == [None, {"epoch": epoch + 1, "step": step}]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == list(range(1, 7))
+    assert [e.get("extra_epoch") for e in epochs] == [None, None, 1, 2, 3, 4]
+    assert [e["epoch"] for e in epochs if "safety_net" in e] == [2]
+    assert epochs[1]["safety_net"] == {"budget": 2, "extra_epochs": 4, "streak": 2, "patience": 6}
+    course = lambda e: {k: e.get(k) for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy")}
+    assert [course(e) for e in epochs] == [course(e) for e in read_log(tmp_path / "s.jsonl")[1]]
+    assert epochs[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
+    a, b = torch.load(tmp_path / "s.pt"), torch.load(tmp_path / "r.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

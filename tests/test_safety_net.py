@@ -1,23 +1,18 @@
 """The safety net (recipe key extra_epochs, issue 25): when the epoch budget ends with the target still
 reachable within the extra epochs, both trainers train on at the budget's last epoch's learning rates; the
-epoch lines and the JSON log say so, and a checkpoint taken inside an extra epoch resumes exactly."""
+epoch lines and the JSON log say so. A checkpoint taken inside an extra epoch resumes exactly: test_reliability.py's
+test_a_stop_signal_checkpoints_and_the_run_resumes_exactly."""
 
-import json
-import os
 import re
-import signal
 import sys
 
 import pytest
-import torch
-from conftest import EPOCH_LINE, TINY, cpu_env, data_flags, finish, start, wait_for_epoch
-from test_accel import CONFIGS, LAUNCHER_SIGTERM_EXITS, accel_env, accelerate_command, reliability_flags
+from conftest import EPOCH_LINE, TINY, cpu_env, data_flags, finish, start
+from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
-from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint, read_training_state
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler
 from cifar_wrn.recipe import Recipe, load_recipe
-from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
 
 # ----------------------------------------------------------------------------- the rule, without processes
@@ -145,7 +140,7 @@ def launcher(trainer, cifar_dir, ck):
 def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     """Target 0 makes every epoch pass: with patience 3 a 2-epoch budget ends one short (a deterministic near
     miss), so extra_epochs=2 runs epoch 3, which completes the criterion. (A stop and resume inside an extra
-    epoch: test_a_sigterm_inside_an_extra_epoch_resumes_exactly.)"""
+    epoch: test_reliability.py's test_a_stop_signal_checkpoints_and_the_run_resumes_exactly.)"""
     keys = ["--patience", 3, "--set", "extra_epochs=2"]
     straight = launcher(trainer, cifar_dir, tmp_path / "ck_a")(
         *keys, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl"
@@ -175,76 +170,3 @@ def test_the_net_does_not_fire_when_the_criterion_is_out_of_reach(cifar_dir, tmp
     assert "Target accuracy 0.0 not reached 4 epochs in a row within 2 epochs\n" in result.stdout
     _, epochs = read_log(tmp_path / "log.jsonl")
     assert not any("safety_net" in e or "extra_epoch" in e for e in epochs)
-
-
-@pytest.mark.parametrize("trainer", ["raw", "accel"])
-def test_a_sigterm_inside_an_extra_epoch_resumes_exactly(cifar_dir, tmp_path, trainer):
-    """A run stopped by a real SIGTERM (as test_agreement.py's resume tests send it) inside one of the net's
-    epochs, then resumed, trains the net's epochs exactly as a run never stopped: the same epochs, numbered
-    on (extra_epoch 1, 2, ... from the budget's end, not from the resume), one safety-net record, the same
-    validation results every epoch and bit-for-bit the same saved weights.
-
-    Epochs of two steps (128 images, 2 x 32 a step), so that each extra epoch replays two different rates
-    (warmup_linear: 2/3 and 1/3 of the peak) and a resume that lost the scheduler's place in the net would
-    train at the wrong one (with one-step epochs every extra epoch has the same rate, and it would not show).
-    The device pipeline: the ranks may agree on a stop after either step (every 1-10 steps, resilience.py), and
-    accel_train.py's prepared loader resumes bit for bit only at an epoch's end (test_accel.py's SIGUSR1 test).
-    Target 0: every epoch passes; patience 30 with extra_epochs=30: the 2-epoch budget ends 28 short, the net
-    fires and the run stops after epoch 30, 28 extra epochs, giving the signal sent after the first extra
-    epoch's record ample time to land inside the net."""
-    keys = ["--train-subset", 128, "--set", "data_pipeline=device", "--patience", 30, "--set", "extra_epochs=30"]
-    straight = launcher(trainer, cifar_dir, tmp_path / "ck_straight")(
-        *keys, "--save", tmp_path / "straight.pt", "--log-json", tmp_path / "straight.jsonl"
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    last_line = "Early stopping after epoch 30 (28 safety-net epoch(s) after the 2-epoch budget)"
-    assert [int(n) for n in EPOCH_LINE.findall(straight.stdout)] == list(range(1, 31)) and last_line in straight.stdout
-
-    ck, log = tmp_path / "ck", tmp_path / "l.jsonl"
-    proc = start(*command(trainer, cifar_dir, ck, *keys, "--log-json", log))
-    wait_for_epoch(log, text='"extra_epoch"')  # the net's first epoch (epoch 3) is logged
-    # raw_ddp.py's launcher leads its own session: SIGTERM to the group reaches it and every rank. accelerate
-    # launch is sent SIGTERM alone, as Slurm's --signal=B: would (SIGUSR1 would kill its torchrun agent).
-    os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
-    stopped = finish(proc, 240)
-    state = load_checkpoint(ck) if trainer == "raw" else read_training_state(latest_checkpoint(ck))
-    epoch, step = state["epoch"], state["step"]  # the epochs finished, the steps done of the next one
-    # (the ranks exit 75; accelerate launch fails, as its agent passed the SIGTERM on: test_accel.py)
-    expected = (PREEMPTED_EXIT,) if trainer == "raw" else LAUNCHER_SIGTERM_EXITS
-    assert stopped.returncode in expected, stopped.stderr[-3000:]
-    assert step in (1, 2) and 3 <= epoch < 30, (epoch, step, stopped.stdout[-2000:], stopped.stderr[-3000:])
-    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, (
-        stopped.stderr[-3000:]
-    )
-    assert [int(n) for n in EPOCH_LINE.findall(stopped.stdout)] == list(range(1, epoch + 1))
-    assert stopped.stdout.count("Safety net: ") == 1 and re.search(
-        r"^Epoch =  2: .*\nSafety net: ", stopped.stdout, re.M
-    ), stopped.stdout
-
-    resumed = finish(
-        start(
-            *command(trainer, cifar_dir, ck, *keys, "--resume", "--log-json", log, "--save", tmp_path / "resumed.pt")
-        ),
-        240,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"epoch {epoch + 1}, step {step} of 2" in resumed.stdout, resumed.stdout
-    assert [int(n) for n in EPOCH_LINE.findall(resumed.stdout)] == list(range(epoch + 1, 31))
-    assert last_line in resumed.stdout and "Safety net: " not in resumed.stdout  # said once, at the budget's end
-
-    # The log as written (read_log would hide a repeated epoch): the stopped run's records, then the resumed
-    # run's, each epoch once, and what each says of the net the same as the run never stopped.
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    headers = [r for r in records if r["kind"] == "header"]
-    assert [h["resumed_at"] for h in headers] == [None, {"epoch": epoch + 1, "step": step}]
-    epochs = [r for r in records if r["kind"] == "epoch"]
-    assert [e["epoch"] for e in epochs] == list(range(1, 31))
-    assert [e.get("extra_epoch") for e in epochs] == [None, None, *range(1, 29)]
-    assert [e["epoch"] for e in epochs if "safety_net" in e] == [2]
-    assert epochs[1]["safety_net"] == {"budget": 2, "extra_epochs": 30, "streak": 2, "patience": 30}
-    course = lambda e: {k: e.get(k) for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy")}
-    assert [course(e) for e in epochs] == [course(e) for e in read_log(tmp_path / "straight.jsonl")[1]]
-    assert epochs[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
-
-    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
