@@ -754,12 +754,16 @@ PREEMPT_TINY = "--model-width 4 --train-subset 320 --val-subset 101 --batch-size
 ACCEL_PREEMPT_TINY = PREEMPT_TINY.replace("--batch-size 4", "--batch-size 2")
 
 
-def after_first_epoch(action):
+def signalled_job(cluster, tmp_path, cifar_dir, name, *options, action, extra_args) -> Job:
+    """slurm/<name>.sbatch with `options`, training as `extra_args` say; action(job) once its first epoch is logged."""
+
     def during(job):
         wait_for(job.run_dir / "log.jsonl", "the first epoch", job, text='"kind": "epoch"')
         action(job)
 
-    return during
+    return sbatch(
+        cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=during, DATA_SRC=cifar_dir, EXTRA_ARGS=extra_args
+    )
 
 
 def check_requeued_and_resumed(job: Job, steps_per_epoch: int) -> re.Match:
@@ -791,14 +795,8 @@ def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_p
     passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint, the
     training exits 75, the script requeues the job; the second run resumes from the checkpoint in the
     middle of epoch 2 and finishes."""
-    job = sbatch(
-        cluster,
-        tmp_path,
-        SLURM / "raw_multinode.sbatch",
-        "--gres=gpu:1",
-        during=after_first_epoch(preempt),
-        DATA_SRC=cifar_dir,
-        EXTRA_ARGS=PREEMPT_TINY,
+    job = signalled_job(
+        cluster, tmp_path, cifar_dir, "raw_multinode", "--gres=gpu:1", action=preempt, extra_args=PREEMPT_TINY
     )
     stopped = check_requeued_and_resumed(job, steps_per_epoch=40)
     assert stopped.group(3) == str(job.run_dir / "checkpoints" / "checkpoint.pt"), job.log
@@ -820,15 +818,7 @@ def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_
     ranks, which write a checkpoint (DIR/LATEST) and exit 75; accelerate launch fails (1 or 143), the script
     reads the training's "stopped by a signal ... checkpoint written" line, requeues the job, and the
     second run resumes at that step and finishes."""
-    job = sbatch(
-        cluster,
-        tmp_path,
-        SLURM / f"{name}.sbatch",
-        *options,
-        during=after_first_epoch(preempt),
-        DATA_SRC=cifar_dir,
-        EXTRA_ARGS=ACCEL_PREEMPT_TINY,
-    )
+    job = signalled_job(cluster, tmp_path, cifar_dir, name, *options, action=preempt, extra_args=ACCEL_PREEMPT_TINY)
     stopped = check_requeued_and_resumed(job, steps_per_epoch=80)
     checkpoints = job.run_dir / "checkpoints"
     log = job.log
@@ -854,15 +844,7 @@ def test_cancelled_multinode_job_checkpoints_and_is_not_requeued(
     """scancel after the first epoch: SIGTERM to every process of the job, ranks included (SIGKILL
     30 s later). The training must still write its checkpoint in the middle of epoch 2, and the job
     must end cancelled, not requeued, saying how to continue from the checkpoint."""
-    job = sbatch(
-        cluster,
-        tmp_path,
-        SLURM / f"{name}.sbatch",
-        *options,
-        during=after_first_epoch(cancel),
-        DATA_SRC=cifar_dir,
-        EXTRA_ARGS=ACCEL_PREEMPT_TINY,
-    )
+    job = signalled_job(cluster, tmp_path, cifar_dir, name, *options, action=cancel, extra_args=ACCEL_PREEMPT_TINY)
     assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
     log = job.log
     assert "SIGTERM received;" in log, job.describe()
