@@ -28,7 +28,7 @@ def add_timing_flags(parser) -> None:
     )
 
 
-def timing_clock(args):
+def apply_timing_flags(args):
     """Applies --threads and returns the clock --clock names."""
     import torch
 

@@ -13,7 +13,7 @@ import argparse
 import time
 
 import torch
-from common import add_timing_flags, timing_clock  # bench/common.py; it puts cifar_wrn on sys.path
+from common import add_timing_flags, apply_timing_flags  # bench/common.py; it puts cifar_wrn on sys.path
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from cifar_wrn.data import CIFAR10, dataset_present, load_split
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     global CLOCK
-    CLOCK = timing_clock(args)
+    CLOCK = apply_timing_flags(args)
     device = torch.device(args.device)
     if dataset_present(args.data_dir):
         images, labels = load_split(args.data_dir, train=True)

@@ -20,7 +20,7 @@ import dataclasses
 import time
 
 import torch
-from common import add_timing_flags, timing_clock  # bench/common.py; it puts cifar_wrn on sys.path
+from common import add_timing_flags, apply_timing_flags  # bench/common.py; it puts cifar_wrn on sys.path
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from cifar_wrn.data import CIFAR10
@@ -98,7 +98,7 @@ def main():
     p.add_argument("--fp32", action="store_true", help="also time fast.yaml with precision fp32")
     args = p.parse_args()
     global CLOCK
-    CLOCK = timing_clock(args)
+    CLOCK = apply_timing_flags(args)
     device = torch.device(args.device)
     images = torch.randint(0, 256, (8192, 3, 32, 32), dtype=torch.uint8)  # content does not change step time
     labels = torch.randint(0, 10, (8192,))

@@ -19,6 +19,7 @@ from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from cifar_wrn.checkpoint import (
     CheckpointError,
     check_writable,
+    checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     read_training_state,
@@ -359,19 +360,20 @@ def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
 LAUNCHER_SIGTERM_EXITS = (1, 128 + signal.SIGTERM)
 NET = [
     *("--epochs", 2, "--target-accuracy", 0.0, "--patience", 6, "--set", "extra_epochs=4"),  # ends at epoch 6
-    *("--set", "lr_schedule=warmup_linear", "--set", "warmup_epochs=0.5"),
+    *("--set", "lr_schedule=warmup_linear", "--set", "warmup_epochs=0.5", "--batch-size", 2),
 ]
 
 
 def preemptible(trainer, cifar_dir):
-    """(command(*flags), environment) of 2-process runs of `trainer`: NET, 40 steps per epoch (batch 4)."""
+    """(command(*flags), environment) of 2-process runs of `trainer` with NET: 80 steps per epoch (320 images, 2 x 2
+    a step), so that the stop lands in the middle of an epoch even when the signal comes late on a loaded machine."""
     if trainer == "raw":
-        command = lambda *extra: [sys.executable, "raw_ddp.py", "--num-gpus", 2, *resume_flags(cifar_dir, *NET, *extra)]
+        command = lambda *extra: [sys.executable, "raw_ddp.py", *flags(cifar_dir, *NET, *extra)]
         return command, cpu_env()
     # the device pipeline: accel_train.py's prepared loader fetches a batch ahead, so with the per-image pipeline
     # a resume in the middle of an epoch is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
-    flags = reliability_flags(cifar_dir, "--batch-size", 4, "--set", "data_pipeline=device", *NET)
-    return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *flags, *extra), accel_env()
+    accel_flags = reliability_flags(cifar_dir, "--set", "data_pipeline=device", *NET)
+    return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *accel_flags, *extra), accel_env()
 
 
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
@@ -395,7 +397,7 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_pa
     os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)
     stopped = finish(proc, 240)
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # none left behind
-    latest = ck / "checkpoint.pt" if trainer == "raw" else latest_checkpoint(ck)
+    latest = checkpoint_path(ck) if trainer == "raw" else latest_checkpoint(ck)
     state = load_checkpoint(ck) if trainer == "raw" else read_training_state(latest)
     epoch, step = state["epoch"], state["step"]  # the epochs finished, the steps done of the next one
     if trainer == "raw":
@@ -403,17 +405,19 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_pa
     else:
         assert stopped.returncode in LAUNCHER_SIGTERM_EXITS, stopped.stderr[-3000:]
         assert "Received 15 death signal" in stopped.stderr
-    assert 3 <= epoch < 6 and 0 < step < 40 and not state["finished"], (epoch, step, stopped.stderr[-3000:])
-    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr
+    assert 3 <= epoch < 6 and 0 < step < 80 and not state["finished"], (epoch, step, stopped.stderr[-3000:])
+    assert f"stopped by a signal at epoch {epoch + 1}, step {step}: checkpoint written" in stopped.stderr, (
+        stopped.stderr[-3000:]
+    )
     assert [int(n) for n in EPOCH_LINE.findall(stopped.stdout)] == list(range(1, epoch + 1))
     assert stopped.stdout.count("Safety net: ") == 1 and re.search(
         r"^Epoch =  2: .*\nSafety net: ", stopped.stdout, re.M
-    )
+    ), stopped.stdout
 
     resumed = command("--checkpoint-dir", ck, "--auto-resume", "--log-json", log, "--save", tmp_path / "r.pt")
     resumed = finish(start(resumed, env=env), 240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from {latest}: epoch {epoch + 1}, step {step} of 40" in resumed.stdout, resumed.stdout
+    assert f"Resuming from {latest}: epoch {epoch + 1}, step {step} of 80" in resumed.stdout, resumed.stdout
     assert [int(n) for n in EPOCH_LINE.findall(resumed.stdout)] == list(range(epoch + 1, 7))
     assert last_line in resumed.stdout and "Safety net: " not in resumed.stdout  # said once, at the budget's end
 

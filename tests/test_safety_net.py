@@ -139,8 +139,7 @@ def launcher(trainer, cifar_dir, ck):
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     """Target 0 makes every epoch pass: with patience 3 a 2-epoch budget ends one short (a deterministic near
-    miss), so extra_epochs=2 runs epoch 3, which completes the criterion. (A stop and resume inside an extra
-    epoch: test_reliability.py's test_a_stop_signal_checkpoints_and_the_run_resumes_exactly.)"""
+    miss), so extra_epochs=2 runs epoch 3, which completes the criterion."""
     keys = ["--patience", 3, "--set", "extra_epochs=2"]
     straight = launcher(trainer, cifar_dir, tmp_path / "ck_a")(
         *keys, "--save", tmp_path / "a.pt", "--log-json", tmp_path / "a.jsonl"
