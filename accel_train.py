@@ -310,6 +310,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             accelerator.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
+        model = None  # DDP sits in a reference cycle holding the group: collected now, its threads end before the exit
+        accelerator.free_memory()  # drops Accelerate's references too, then collects
         accelerator.end_training()  # A1.3
 
 
@@ -407,7 +409,9 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
         )
     problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
     if problem:
-        raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
+        raise AgreedError(
+            f"cannot resume from {folder or args.checkpoint_dir}: {problem}", run.accelerator.is_local_main_process
+        )
     if state is None:
         return Progress()
     progress = Progress.of(state)

@@ -24,6 +24,7 @@
 
 # ==== setup
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -325,6 +326,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             torch.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
+        model = None  # DDP sits in a reference cycle holding the group: collected now, its threads end before the exit
+        gc.collect()
         dist.destroy_process_group()  # R1.3
 
 
@@ -392,7 +395,9 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
     dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
     problem = resume_disagreement(seen)
     if problem:
-        raise UserError(f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}")
+        raise AgreedError(
+            f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}", rank % args.num_gpus == 0
+        )
     if checkpoint is None:
         return Progress()
     progress = Progress.of(checkpoint)

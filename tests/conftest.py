@@ -253,6 +253,22 @@ def raise_in_rank_env(rank: int, env: dict) -> dict:
     return {**env, "PYTHONPATH": path, "RAISE_IN_RANK": str(rank)}
 
 
+def exit_threads_env(folder: Path, env: dict) -> dict:
+    """`env` with tests/exit_threads/ first on PYTHONPATH: every process writes to `folder` the threads it still
+    runs at exit (check_no_gloo_thread_at_exit reads them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(filter(None, [str(TESTS / "exit_threads"), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "EXIT_THREADS_DIR": str(folder)}
+
+
+def check_no_gloo_thread_at_exit(folder: Path) -> None:
+    """No process started with exit_threads_env(folder, ...) still ran a gloo thread at exit (the launcher and the
+    two ranks, at least, wrote what they ran)."""
+    threads = {file.name: file.read_text().split("\n") for file in folder.iterdir()}
+    assert len(threads) >= 3, threads
+    assert {pid: names for pid, names in threads.items() if any("gloo" in name for name in names)} == {}
+
+
 def start(cmd, env=None, cwd=REPO) -> subprocess.Popen:
     """A new session, so that a timeout can kill the launcher and every rank it spawned (kill_all)."""
     return subprocess.Popen(
@@ -389,7 +405,8 @@ EVERY_OPTION = [
 @pytest.fixture(scope="session")
 def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     """One plain 2-process run, shared by the tests that only read what it printed and wrote: (result, folder
-    holding w.pt and log.jsonl). 2 epochs: at most 6, stopped early by a target of 0 with patience 2."""
+    holding w.pt, log.jsonl and threads/, the threads each process ran at exit). 2 epochs: at most 6, stopped early
+    by a target of 0 with patience 2."""
     out = tmp_path_factory.mktemp("run")
     result = raw_ddp(
         "--num-nodes",
@@ -414,6 +431,7 @@ def two_process_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
         out / "w.pt",
         "--log-json",
         out / "log.jsonl",
+        env=exit_threads_env(out / "threads", cpu_env()),
     )
     return result, out
 

@@ -14,7 +14,9 @@ from conftest import (
     PER_TRAIN_FILE,
     TRAIN_IMAGES,
     VAL_IMAGES,
+    check_no_gloo_thread_at_exit,
     cpu_env,
+    exit_threads_env,
     finish,
     free_port,
     raw_flags,
@@ -313,16 +315,23 @@ def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_ru
         *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"),
         "--train-subset",
         TRAIN_IMAGES // 2,
+        env=exit_threads_env(tmp_path / "threads", cpu_env()),
     )
     assert other.returncode == 2 and "Epoch = " not in other.stdout
     assert f"train images = {TRAIN_IMAGES}, this run has {TRAIN_IMAGES // 2}" in other.stderr
+    assert other.stderr.count("cannot resume from") == 1  # both ranks agree; the node says it once
+    # the refusal ends the run through an exception, which holds the loop's frame: still no gloo thread at exit
+    check_no_gloo_thread_at_exit(tmp_path / "threads")
     ack = resume_runs.copy("accel/ck", tmp_path / "accel")
     other = accelerate_launch(
         CONFIGS / "two_cpus.yaml",
         *reliability_flags(cifar_dir, "--checkpoint-dir", ack, "--epochs", 2, "--resume", "--val-subset", 51),
+        env=exit_threads_env(tmp_path / "accel_threads", accel_env()),
     )
     assert other.returncode != 0 and not other.stdout.count("Epoch = ")
     assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
+    assert other.stderr.count("cannot resume from") == 1
+    check_no_gloo_thread_at_exit(tmp_path / "accel_threads")
 
 
 # ----------------------------------------------------------------------------- data: every node has it
