@@ -409,9 +409,7 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
         )
     problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
     if problem:
-        raise AgreedError(
-            f"cannot resume from {folder or args.checkpoint_dir}: {problem}", run.accelerator.is_local_main_process
-        )
+        raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
     if state is None:
         return Progress()
     progress = Progress.of(state)

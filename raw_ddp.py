@@ -395,9 +395,7 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
     dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
     problem = resume_disagreement(seen)
     if problem:
-        raise AgreedError(
-            f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}", rank % args.num_gpus == 0
-        )
+        raise UserError(f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}")
     if checkpoint is None:
         return Progress()
     progress = Progress.of(checkpoint)

@@ -319,7 +319,6 @@ def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_ru
     )
     assert other.returncode == 2 and "Epoch = " not in other.stdout
     assert f"train images = {TRAIN_IMAGES}, this run has {TRAIN_IMAGES // 2}" in other.stderr
-    assert other.stderr.count("cannot resume from") == 1  # both ranks agree; the node says it once
     # the refusal ends the run through an exception, which holds the loop's frame: still no gloo thread at exit
     check_no_gloo_thread_at_exit(tmp_path / "threads")
     ack = resume_runs.copy("accel/ck", tmp_path / "accel")
@@ -330,7 +329,6 @@ def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_ru
     )
     assert other.returncode != 0 and not other.stdout.count("Epoch = ")
     assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
-    assert other.stderr.count("cannot resume from") == 1
     check_no_gloo_thread_at_exit(tmp_path / "accel_threads")
 
 
