@@ -232,6 +232,11 @@ class Result:
     seconds: float
 
 
+def pythonpath_with(*folders, env: dict) -> str:
+    """`env`'s PYTHONPATH with `folders` first (a sitecustomize module there is the one Python imports)."""
+    return os.pathsep.join(filter(None, [*map(str, folders), env.get("PYTHONPATH")]))
+
+
 def cpu_env(**extra) -> dict:
     env = {
         k: v
@@ -241,7 +246,7 @@ def cpu_env(**extra) -> dict:
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::UserWarning")
     # Every Python process started with this environment collects garbage less often, and not at exit
     # (tests/lean_gc/sitecustomize.py): a quarter of the CPU time a test run of raw_ddp.py costs.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LEAN_GC), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = pythonpath_with(LEAN_GC, env=env)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -249,16 +254,14 @@ def cpu_env(**extra) -> dict:
 def raise_in_rank_env(rank: int, env: dict) -> dict:
     """`env` with tests/raise_in_rank/ first on PYTHONPATH: rank `rank` raises in its first loss computation.
     The checkout comes next, so that the processes import its cifar_wrn, whatever pip installed."""
-    path = os.pathsep.join(filter(None, [str(TESTS / "raise_in_rank"), str(REPO), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": path, "RAISE_IN_RANK": str(rank)}
+    return {**env, "PYTHONPATH": pythonpath_with(TESTS / "raise_in_rank", REPO, env=env), "RAISE_IN_RANK": str(rank)}
 
 
 def exit_threads_env(folder: Path, env: dict) -> dict:
     """`env` with tests/exit_threads/ first on PYTHONPATH: every process writes to `folder` the threads it still
     runs at exit (check_no_gloo_thread_at_exit reads them)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(filter(None, [str(TESTS / "exit_threads"), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": path, "EXIT_THREADS_DIR": str(folder)}
+    return {**env, "PYTHONPATH": pythonpath_with(TESTS / "exit_threads", env=env), "EXIT_THREADS_DIR": str(folder)}
 
 
 def check_no_gloo_thread_at_exit(folder: Path) -> None:
