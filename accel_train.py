@@ -71,7 +71,7 @@ from cifar_wrn.data import (
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.evaluation import evaluate, real_sample_mask
-from cifar_wrn.model import WideResNet, init_residual_bn
+from cifar_wrn.model import ARCHITECTURE, WideResNet, init_residual_bn
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
@@ -436,6 +436,7 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
         "recipe": as_dict(recipe),
         "world_size": world_size,
         "model_width": args.model_width,
+        "architecture": ARCHITECTURE,
         **data.sizes(),
         "device": device.type,
         "ema": eval_model.state_dict() if eval_model is not raw_model else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import RunStopped, UserError, agreed_problem
+from .model import ARCHITECTURE
 from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
@@ -414,6 +415,12 @@ def resume_problem(
     checkpoint: dict, recipe: dict, world_size: int, model_width: int, data: dict | None = None
 ) -> str | None:
     """Why this checkpoint cannot continue as this run, or None; `data` is checked where the checkpoint has it."""
+    if checkpoint.get("architecture") != ARCHITECTURE:
+        return (
+            f"the checkpoint holds {checkpoint.get('architecture') or 'an earlier, non-course WideResNet'}; this "
+            f"version trains the {ARCHITECTURE}: the model changed, so it cannot continue that run. Start a new run "
+            f"in an empty --checkpoint-dir (the old checkpoint is left as it is)"
+        )
     if checkpoint["world_size"] != world_size:
         return (
             f"the checkpoint was written by {checkpoint['world_size']} processes, this run has {world_size}: "

@@ -1,6 +1,9 @@
-"""The course's fixed WideResNet for CIFAR-10 (17,117,754 parameters at width 160); a plain nn.Module.
+"""The course's WideResNet for CIFAR-10, exactly as the course's script writes it (17,117,754 parameters).
 
-Six residual blocks (16->160->160, pool, ->320->320, pool, ->640->640), global average pool, Linear(640->10).
+The classes, attribute names, creation order and layers are the course's (`cbrblock`, `conv_block`,
+`WideResNet`): the same seed gives the same initial weights and a course state_dict loads. The head is the
+course's `AvgPool2d(7)`: on the 8x8 feature map it averages the top-left 7x7 window. `width` is 160 in the
+course; tests pass a smaller one, never a real run.
 """
 
 import torch
@@ -8,55 +11,89 @@ from torch import nn
 
 COURSE_WIDTH = 160
 COURSE_PARAMETERS = 17_117_754
-DROPOUT = 0.01
+# Written into every checkpoint: one made with another network (an earlier version of this project) is refused.
+ARCHITECTURE = "course WideResNet: cbrblock, conv_block, AvgPool2d(7)"
 
 
-def conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, bias=False),
-        nn.BatchNorm2d(c_out),
-        nn.ReLU(inplace=True),
-    )
+class cbrblock(nn.Module):  # the course's name
+    """Conv 3x3 -> BatchNorm -> ReLU."""
 
-
-class ResidualBlock(nn.Module):
-    def __init__(self, c_in: int, c_out: int):
+    def __init__(self, input_channels: int, output_channels: int):
         super().__init__()
-        self.body = nn.Sequential(conv_bn_relu(c_in, c_out), nn.Dropout(DROPOUT), conv_bn_relu(c_out, c_out))
-        self.shortcut = nn.Conv2d(c_in, c_out, kernel_size=1) if c_in != c_out else nn.Identity()
+        self.cbr = nn.Sequential(
+            nn.Conv2d(input_channels, output_channels, kernel_size=3, stride=(1, 1), padding="same", bias=False),
+            nn.BatchNorm2d(output_channels),
+            nn.ReLU(),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x) + self.shortcut(x)
+        return self.cbr(x)
+
+
+class conv_block(nn.Module):  # the course's name
+    """A residual block: layer1, dropout, layer2, plus the input (through a 1x1 `scale` conv when widths differ)."""
+
+    def __init__(self, input_channels: int, output_channels: int, scale_input: int):
+        super().__init__()
+        self.scale_input = scale_input
+        if self.scale_input:
+            self.scale = nn.Conv2d(input_channels, output_channels, kernel_size=1, stride=(1, 1), padding="same")
+        self.layer1 = cbrblock(input_channels, output_channels)
+        self.dropout = nn.Dropout(p=0.01)
+        self.layer2 = cbrblock(output_channels, output_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = x
+        out = self.layer1(x)
+        out = self.dropout(out)
+        out = self.layer2(out)
+        if self.scale_input:
+            residual = self.scale(residual)
+        return out + residual
 
 
 class WideResNet(nn.Module):
     def __init__(self, num_classes: int = 10, width: int = COURSE_WIDTH):
         super().__init__()
-        w1, w2, w3 = width, 2 * width, 4 * width
-        self.stem = conv_bn_relu(3, 16)
-        self.features = nn.Sequential(
-            ResidualBlock(16, w1),
-            ResidualBlock(w1, w1),
-            nn.MaxPool2d(2),
-            ResidualBlock(w1, w2),
-            ResidualBlock(w2, w2),
-            nn.MaxPool2d(2),
-            ResidualBlock(w2, w3),
-            ResidualBlock(w3, w3),
-        )
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w3, num_classes))
+        n_channels = [3, 16, width, 2 * width, 4 * width]  # the course's nChannels: [3, 16, 160, 320, 640]
+
+        self.input_block = cbrblock(n_channels[0], n_channels[1])
+
+        self.block1 = conv_block(n_channels[1], n_channels[2], 1)
+        self.block2 = conv_block(n_channels[2], n_channels[2], 0)
+        self.pool1 = nn.MaxPool2d(2)
+        self.block3 = conv_block(n_channels[2], n_channels[3], 1)
+        self.block4 = conv_block(n_channels[3], n_channels[3], 0)
+        self.pool2 = nn.MaxPool2d(2)
+        self.block5 = conv_block(n_channels[3], n_channels[4], 1)
+        self.block6 = conv_block(n_channels[4], n_channels[4], 0)
+
+        self.pool = nn.AvgPool2d(7)
+        self.flat = nn.Flatten()
+        self.fc = nn.Linear(n_channels[4], num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(self.stem(x)))
+        out = self.input_block(x)
+        out = self.block1(out)
+        out = self.block2(out)
+        out = self.pool1(out)
+        out = self.block3(out)
+        out = self.block4(out)
+        out = self.pool2(out)
+        out = self.block5(out)
+        out = self.block6(out)
+        out = self.pool(out)
+        out = self.flat(out)
+        return self.fc(out)
 
 
 @torch.no_grad()
 def init_residual_bn(model: nn.Module, weight: float) -> nn.Module:
-    """Set each residual body's last BatchNorm gamma to `weight` (an init, not an architecture change).
-    Not 0: the body ends BN -> ReLU, and a zero gamma would pass no gradient and never train."""
+    """Set each residual block's last BatchNorm gamma (`layer2`'s) to `weight`: an init, not an architecture change.
+    Not 0: the block ends BN -> ReLU, and a zero gamma would pass no gradient and never train."""
     for block in model.modules():
-        if isinstance(block, ResidualBlock):
-            block.body[-1][1].weight.fill_(weight)
+        if isinstance(block, conv_block):
+            block.layer2.cbr[1].weight.fill_(weight)
     return model
 
 

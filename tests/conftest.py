@@ -543,9 +543,9 @@ def check_slow_bf16_warning(stderr: str):
 def check_residual_bn_init(weights_path, gamma: float):
     """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
     state = torch.load(weights_path)
-    last = {k for k in state if re.fullmatch(r"features\.\d+\.body\.2\.1\.weight", k)}
+    last = {k for k in state if re.fullmatch(r"block\d\.layer2\.cbr\.1\.weight", k)}
     others = {k for k in state if k.endswith(".weight") and state[k].ndim == 1} - last
-    assert len(last) == 6 and len(others) == 7  # the stem's BN and each body's first
+    assert len(last) == 6 and len(others) == 7  # the input block's BN and each block's layer1
     assert all(torch.allclose(state[k], torch.full_like(state[k], gamma), atol=1e-6) for k in last)
     assert all(torch.allclose(state[k], torch.ones_like(state[k]), atol=1e-6) for k in others)
 

@@ -136,7 +136,7 @@ def test_sgd_groups_step_exactly_like_torch_sgd():
             model(images).square().mean().backward()
             optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
-    assert not torch.equal(models[0].stem[0].weight, WideResNet(width=2).stem[0].weight)
+    assert not torch.equal(models[0].input_block.cbr[0].weight, WideResNet(width=2).input_block.cbr[0].weight)
 
 
 # ----------------------------------------------------------------------------- BatchNorm rates
@@ -159,7 +159,7 @@ def test_frozen_batchnorm_scales_never_move_and_the_bias_group_has_its_rate():
         scheduler.step()
     factor = scheduler.get_last_lr()[0] / lr  # the schedule's multiplier after 4 steps
     assert group_of[id(norms[0].bias)]["lr"] == pytest.approx(lr * 4 * 16 * factor)
-    assert group_of[id(norms[0].weight)]["lr"] == 0.0 and group_of[id(model.head[2].bias)]["lr"] == pytest.approx(
+    assert group_of[id(norms[0].weight)]["lr"] == 0.0 and group_of[id(model.fc.bias)]["lr"] == pytest.approx(
         lr * 4 * factor
     )  # the other biases keep bn_lr_scale
     assert all(torch.equal(m.weight, s) for m, s in zip(norms, scales))

@@ -27,10 +27,113 @@ def test_model_structure():
     model = WideResNet(width=4)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     shortcuts = [m for m in convs if m.kernel_size == (1, 1)]
-    assert len(convs) == 1 + 6 * 2 + 3 and len(shortcuts) == 3  # stem, 2 per block, 3 width changes
+    assert len(convs) == 1 + 6 * 2 + 3 and len(shortcuts) == 3  # input block, 2 per block, 3 width changes
     assert all(m.bias is not None for m in shortcuts) and all(m.bias is None for m in convs if m not in shortcuts)
     assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.01] * 6
     assert sum(isinstance(m, torch.nn.MaxPool2d) for m in model.modules()) == 2
+
+
+# The course script's classes, written out from its text (the reference the model must equal).
+class SpecCbr(torch.nn.Module):
+    def __init__(self, i, o):
+        super().__init__()
+        self.cbr = torch.nn.Sequential(
+            torch.nn.Conv2d(i, o, kernel_size=3, stride=(1, 1), padding="same", bias=False),
+            torch.nn.BatchNorm2d(o),
+            torch.nn.ReLU(),
+        )
+
+    def forward(self, x):
+        return self.cbr(x)
+
+
+class SpecBlock(torch.nn.Module):
+    def __init__(self, i, o, scale_input):
+        super().__init__()
+        self.scale_input = scale_input
+        if scale_input:
+            self.scale = torch.nn.Conv2d(i, o, kernel_size=1, stride=(1, 1), padding="same")
+        self.layer1 = SpecCbr(i, o)
+        self.dropout = torch.nn.Dropout(p=0.01)
+        self.layer2 = SpecCbr(o, o)
+
+    def forward(self, x):
+        out = self.layer2(self.dropout(self.layer1(x)))
+        return out + (self.scale(x) if self.scale_input else x)
+
+
+class SpecWideResNet(torch.nn.Module):
+    def __init__(self, num_classes, c=(3, 16, 160, 320, 640)):
+        super().__init__()
+        self.input_block = SpecCbr(c[0], c[1])
+        self.block1 = SpecBlock(c[1], c[2], 1)
+        self.block2 = SpecBlock(c[2], c[2], 0)
+        self.pool1 = torch.nn.MaxPool2d(2)
+        self.block3 = SpecBlock(c[2], c[3], 1)
+        self.block4 = SpecBlock(c[3], c[3], 0)
+        self.pool2 = torch.nn.MaxPool2d(2)
+        self.block5 = SpecBlock(c[3], c[4], 1)
+        self.block6 = SpecBlock(c[4], c[4], 0)
+        self.pool = torch.nn.AvgPool2d(7)
+        self.flat = torch.nn.Flatten()
+        self.fc = torch.nn.Linear(c[4], num_classes)
+
+    def forward(self, x):
+        out = self.input_block(x)
+        for layer in (self.block1, self.block2, self.pool1, self.block3, self.block4, self.pool2):
+            out = layer(out)
+        for layer in (self.block5, self.block6, self.pool, self.flat, self.fc):
+            out = layer(out)
+        return out
+
+
+def bn_keys(prefix, channels):
+    return [(f"{prefix}.{name}", [channels]) for name in ("weight", "bias", "running_mean", "running_var")] + [
+        (f"{prefix}.num_batches_tracked", [])
+    ]
+
+
+# The course's state_dict, key by key, in creation order (block, input channels, output channels, scale_input).
+COURSE_BLOCKS = [("block1", 16, 160, 1), ("block2", 160, 160, 0), ("block3", 160, 320, 1)]
+COURSE_BLOCKS += [("block4", 320, 320, 0), ("block5", 320, 640, 1), ("block6", 640, 640, 0)]
+COURSE_KEYS = [("input_block.cbr.0.weight", [16, 3, 3, 3])] + bn_keys("input_block.cbr.1", 16)
+for _name, _in, _out, _scale in COURSE_BLOCKS:
+    if _scale:
+        COURSE_KEYS += [(f"{_name}.scale.weight", [_out, _in, 1, 1]), (f"{_name}.scale.bias", [_out])]
+    COURSE_KEYS += [(f"{_name}.layer1.cbr.0.weight", [_out, _in, 3, 3])] + bn_keys(f"{_name}.layer1.cbr.1", _out)
+    COURSE_KEYS += [(f"{_name}.layer2.cbr.0.weight", [_out, _out, 3, 3])] + bn_keys(f"{_name}.layer2.cbr.1", _out)
+COURSE_KEYS += [("fc.weight", [10, 640]), ("fc.bias", [10])]
+
+
+def test_the_state_dict_is_the_courses_key_for_key():
+    state = WideResNet().state_dict()
+    assert [(k, list(v.shape)) for k, v in state.items()] == COURSE_KEYS
+    assert len(COURSE_KEYS) == 1 + 5 + 6 * 12 + 3 * 2 + 2
+
+
+def test_same_seed_same_weights_and_outputs_as_the_course_script():
+    torch.manual_seed(3)
+    ours = WideResNet(num_classes=10)
+    torch.manual_seed(3)
+    spec = SpecWideResNet(10)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), spec.state_dict().values()))
+    spec.load_state_dict(ours.state_dict())  # the same keys: a course state_dict loads, and ours into theirs
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(images), spec.eval()(images))
+
+
+def test_the_head_averages_the_top_left_7x7_window_as_the_course_does():
+    """AvgPool2d(7) on the 8x8 map: the last row and column do not reach the classifier."""
+    model = WideResNet(width=4).eval()
+    features = torch.randn(1, 16, 8, 8)
+    changed = features.clone()
+    changed[..., 7, :] += 5.0
+    changed[..., :, 7] -= 3.0
+    head = lambda x: model.fc(model.flat(model.pool(x)))
+    with torch.no_grad():
+        assert torch.equal(head(features), head(changed))
+        assert torch.allclose(model.pool(features).flatten(), features[..., :7, :7].mean((2, 3)).flatten(), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- data
@@ -304,7 +407,7 @@ def test_residual_bn_init_is_an_initialisation_only():
     torch.manual_seed(0)
     scaled = init_residual_bn(WideResNet(width=4), 0.25)
     changed = {k for k, v in default.state_dict().items() if not torch.equal(v, scaled.state_dict()[k])}
-    assert changed == {f"features.{i}.body.2.1.weight" for i in (0, 1, 3, 4, 6, 7)}
+    assert changed == {f"block{i}.layer2.cbr.1.weight" for i in range(1, 7)}
     assert all((scaled.state_dict()[k] == 0.25).all() for k in changed)
     assert count_parameters(scaled) == count_parameters(default)
     torch.manual_seed(0)
