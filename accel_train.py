@@ -231,7 +231,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
     try:
         data = build_data(args, recipe, accelerator, rank, world_size, device)  # A1.4, A1.5
         model, raw_model, eval_model = build_model(args, recipe, accelerator, device)  # A1.8
-        per_device_batch_size, global_batch_size = recipe.batch_size, recipe.batch_size * world_size
+        global_batch_size = recipe.batch_size * world_size  # per_device_batch_size x world_size
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # A1.8
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
@@ -246,6 +246,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         for epoch in progress.epochs(recipe):
             epoch_loader = epoch_batches(accelerator, data, epoch, progress.step)  # A1.6: a new shuffle each epoch
             model.train()
+            train_correct = torch.zeros((), dtype=torch.int64, device=device)
             t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
             for step, (images, labels) in enumerate(epoch_loader, start=progress.step):
@@ -253,7 +254,9 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 labels = labels.to(device, non_blocking=True)
                 timer.mark("data")
                 with torch.autocast(**autocast):
-                    loss = criterion(model(images), labels)
+                    outputs = model(images)
+                    loss = criterion(outputs, labels)
+                train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss)  # DDP all-reduces the gradients here
@@ -268,7 +271,10 @@ def train_process(args: argparse.Namespace, recipe) -> None:
                 if guard.check(
                     loss, epoch, step, data.steps_per_epoch, lambda flags: accelerator.reduce(flags, reduction="sum")
                 ):
-                    at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
+                    seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
+                    at = progress.mid_epoch(
+                        step + 1, seconds, **training_counts(accelerator, progress, train_correct, step + 1, recipe)
+                    )
                     raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
                 bar.step(loss)
                 timer.mark("other")
@@ -280,19 +286,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             last_loss = lambda x=images, y=labels: criterion(model(x), y)  # prepare() autocasts
             comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
             # ==== evaluate
-            images_per_sec = torch.tensor(
-                [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
-            )
-            images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: throughputs add up
-            val_loss, val_accuracy = validate(accelerator, eval_model, data, device, recipe, show)  # A1.9
-            metrics = {
-                "epoch": epoch + 1,
-                "cumulative_time": progress.cumulative_time,
-                "epoch_time": epoch_time,
-                "images_per_sec": images_per_sec.item(),
-                "val_loss": val_loss,
-                "val_accuracy": val_accuracy,
-            }
+            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, train_correct, show)  # A1.9
             done = progress.end_epoch(metrics, recipe)
             if is_main:  # A1.10
                 print(epoch_line(metrics), flush=True)  # A1.10
@@ -313,6 +307,27 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         model = None  # DDP sits in a reference cycle holding the group: collected now, its threads end before the exit
         accelerator.free_memory()  # drops Accelerate's references too, then collects
         accelerator.end_training()  # A1.3
+
+
+def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoch_time: float, train_correct, show):
+    """The numbers of the course's epoch line, the same on every rank."""
+    accelerator, data, device = run.accelerator, run.data, run.device
+    images_per_sec = torch.tensor(
+        [data.steps_per_epoch * recipe.batch_size / epoch_time], dtype=torch.float64, device=device
+    )
+    images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: throughputs add up
+    train = training_counts(accelerator, progress, train_correct, data.steps_per_epoch, recipe)
+    val_loss, val_accuracy = validate(accelerator, run.eval_model, data, device, recipe, show)  # A1.9
+    return {
+        "epoch": epoch + 1,
+        "cumulative_time": progress.cumulative_time,
+        "epoch_time": epoch_time,
+        "images_per_sec": images_per_sec.item(),
+        "train_accuracy": train["train_correct"] / train["train_images"],  # every rank's images, in train mode
+        **train,
+        "val_loss": val_loss,
+        "val_accuracy": val_accuracy,
+    }
 
 
 # ==== helpers
@@ -337,6 +352,15 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     if round(totals[2].item()) != data.val_images:
         raise RuntimeError(f"validation counted {totals[2].item()} images, expected {data.val_images}")
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def training_counts(accelerator, progress: Progress, correct: torch.Tensor, step_end: int, recipe) -> dict:
+    """This epoch's training images up to `step_end` over every rank, and how many the model got right (a
+    resumed checkpoint's part included): the course's training accuracy."""
+    images = (step_end - progress.step) * recipe.batch_size
+    counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
+    correct, images = accelerator.reduce(counts, reduction="sum").tolist()
+    return {"train_correct": progress.train_correct + correct, "train_images": progress.train_images + images}
 
 
 def epoch_batches(accelerator, data: Loaders, epoch: int, skip: int):

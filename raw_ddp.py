@@ -52,10 +52,9 @@ from cifar_wrn.checkpoint import (
 )
 from cifar_wrn.cli import (
     add_training_flags,
-    check_training_flags,
+    check_launch,
     launched_by_torchrun,
     port_from_env,
-    port_is_free,
     recipe_from_args,
     show_progress,
 )
@@ -247,7 +246,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
     try:
         data = build_data(args, recipe, rank, world_size, local_rank, device)  # R1.4, R1.5
         model, raw_model, eval_model = build_model(args, recipe, rank, local_rank, device)  # R1.8
-        per_device_batch_size, global_batch_size = recipe.batch_size, recipe.batch_size * world_size
+        global_batch_size = recipe.batch_size * world_size  # per_device_batch_size x world_size
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
         memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
@@ -262,6 +261,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             data.train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch
             data.train_batches.skip = progress.step
             model.train()
+            train_correct = torch.zeros((), dtype=torch.int64, device=device)
             t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
             for step, (images, labels) in enumerate(data.train_loader, start=progress.step):
@@ -269,7 +269,9 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 labels = labels.to(device, non_blocking=True)
                 timer.mark("data")
                 with torch.autocast(**autocast):
-                    loss = criterion(model(images), labels)
+                    outputs = model(images)
+                    loss = criterion(outputs, labels)
+                train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
                 timer.mark("forward")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # DDP all-reduces the gradients here
@@ -284,31 +286,22 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
                 if guard.check(
                     loss, epoch, step, data.steps_per_epoch, lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                 ):
-                    at = progress.mid_epoch(step + 1, progress.epoch_time_so_far + synchronized_clock(device) - t0)
+                    seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
+                    at = progress.mid_epoch(
+                        step + 1, seconds, **training_counts(progress, train_correct, step + 1, recipe)
+                    )
                     raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
                 bar.step(loss)
                 timer.mark("other")
             bar.close()
-            recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: dist.all_reduce(t, dist.ReduceOp.AVG))
+            recalibrate_bn(eval_model, data.recalibration, autocast, average_over_ranks)
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()
             last_loss = torch.autocast(**autocast)(lambda x=images, y=labels: criterion(model(x), y))
             comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
             # ==== evaluate
-            images_per_sec = torch.tensor(
-                [data.steps_per_epoch * per_device_batch_size / epoch_time], dtype=torch.float64, device=device
-            )
-            dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: throughputs add up
-            val_loss, val_accuracy = validate(eval_model, data, device, recipe, show)  # R1.9
-            metrics = {
-                "epoch": epoch + 1,
-                "cumulative_time": progress.cumulative_time,
-                "epoch_time": epoch_time,
-                "images_per_sec": images_per_sec.item() if is_main else None,  # the sum reached rank 0 only
-                "val_loss": val_loss,
-                "val_accuracy": val_accuracy,
-            }
+            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, train_correct, show)  # R1.9
             done = progress.end_epoch(metrics, recipe)
             if is_main:  # R1.10: only rank 0 prints
                 print(epoch_line(metrics), flush=True)  # R1.10
@@ -331,6 +324,27 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         dist.destroy_process_group()  # R1.3
 
 
+def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoch_time: float, train_correct, show):
+    """The numbers of the course's epoch line (the same on every rank, but Images/sec: rank 0's)."""
+    data, device = run.data, run.device
+    images_per_sec = torch.tensor(
+        [data.steps_per_epoch * recipe.batch_size / epoch_time], dtype=torch.float64, device=device
+    )
+    dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: throughputs add up
+    train = training_counts(progress, train_correct, data.steps_per_epoch, recipe)
+    val_loss, val_accuracy = validate(run.eval_model, data, device, recipe, show)  # R1.9
+    return {
+        "epoch": epoch + 1,
+        "cumulative_time": progress.cumulative_time,
+        "epoch_time": epoch_time,
+        "images_per_sec": images_per_sec.item() if run.rank == 0 else None,  # the sum reached rank 0 only
+        "train_accuracy": train["train_correct"] / train["train_images"],  # every rank's images, in train mode
+        **train,
+        "val_loss": val_loss,
+        "val_accuracy": val_accuracy,
+    }
+
+
 # ==== helpers
 def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[float, float]:
     """Exact validation loss and accuracy, the same on every rank."""
@@ -346,9 +360,30 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
         recipe.tta_flip,
         recipe.tta_translate,
     )
-    # R1.9: AVG keeps the ratio exact
-    dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # R1.9
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+    # R1.9: the mean over ranks of each rank's (loss sum, correct, count)
+    average_over_ranks(totals)  # R1.9
+    # times world_size, the sums again; the counts rounded back to whole images, so the ratio is exact
+    loss_sum, correct, count = (totals * dist.get_world_size()).tolist()
+    return loss_sum / round(count), round(correct) / round(count)
+
+
+def average_over_ranks(tensor: torch.Tensor) -> None:
+    """dist.all_reduce with ReduceOp.AVG, in place; gloo has AVG only from torch 2.8 on, so before it SUM and divide."""
+    if dist.get_backend() == "gloo" and torch.__version__ < "2.8":
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+
+
+def training_counts(progress: Progress, correct: torch.Tensor, step_end: int, recipe) -> dict:
+    """This epoch's training images up to `step_end` over every rank, and how many the model got right (a
+    resumed checkpoint's part included): the course's training accuracy."""
+    images = (step_end - progress.step) * recipe.batch_size
+    counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    correct, images = counts.tolist()
+    return {"train_correct": progress.train_correct + correct, "train_images": progress.train_images + images}
 
 
 def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
@@ -445,43 +480,6 @@ def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished
 
 
 # ==== launch
-def check_launch(args, cuda_device_count: int) -> None:
-    if args.num_nodes < 1:
-        raise UserError(f"--num-nodes must be >= 1 (got {args.num_nodes})")
-    if not 0 <= args.node_id < args.num_nodes:
-        raise UserError(
-            f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} (got {args.node_id})"
-        )
-    if args.num_gpus < 1:
-        raise UserError(f"--num-gpus must be >= 1 (got {args.num_gpus})")
-    if args.device == "cuda" and cuda_device_count == 0:
-        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
-    if args.device == "cuda" and args.num_gpus > cuda_device_count:
-        raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
-    check_training_flags(args, writes_outputs=args.node_id == 0)
-    if args.master_addr is None:
-        raise UserError(
-            "--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
-            "node 0, which every node can reach"
-        )
-    if args.master_port is None and args.num_nodes > 1:
-        raise UserError(
-            "--master-port (or $MASTER_PORT) is required with more than one node, "
-            "so that every node meets at the same port"
-        )
-    if args.master_port is not None and not 1 <= args.master_port <= 65535:
-        raise UserError(f"--master-port must be in 1-65535 (got {args.master_port})")
-    if (
-        args.master_port is not None
-        and args.node_id == 0
-        and not launched_by_torchrun()
-        and not port_is_free(args.master_port)
-    ):
-        raise UserError(
-            f"--master-port {args.master_port} is already in use on this machine (another run?); pick another port"
-        )
-
-
 def resolve(args) -> tuple[argparse.Namespace, object]:
     """Fill in what the launch implies, check it, read the recipe."""
     recipe = recipe_from_args(args)
@@ -498,7 +496,7 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
         args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
     elif args.num_nodes == 1:
         args.master_addr = args.master_addr or "127.0.0.1"
-    check_launch(args, cuda_count)
+    check_launch(args, cuda_count)  # R1.1
     if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":

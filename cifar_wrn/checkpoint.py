@@ -412,14 +412,21 @@ def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
 
 
 def resume_problem(
-    checkpoint: dict, recipe: dict, world_size: int, model_width: int, data: dict | None = None
+    checkpoint: dict,
+    recipe: dict,
+    world_size: int,
+    model_width: int,
+    data: dict | None = None,
+    architecture: str | None = ARCHITECTURE,
 ) -> str | None:
-    """Why this checkpoint cannot continue as this run, or None; `data` is checked where the checkpoint has it."""
-    if checkpoint.get("architecture") != ARCHITECTURE:
+    """Why this checkpoint cannot continue as this run, or None; `data` is checked where the checkpoint has it.
+    `architecture`: this run's network (None: the earlier, non-course one, as in old logs)."""
+    if checkpoint.get("architecture") != architecture:
+        earlier = "an earlier, non-course WideResNet"
         return (
-            f"the checkpoint holds {checkpoint.get('architecture') or 'an earlier, non-course WideResNet'}; this "
-            f"version trains the {ARCHITECTURE}: the model changed, so it cannot continue that run. Start a new run "
-            f"in an empty --checkpoint-dir (the old checkpoint is left as it is)"
+            f"the checkpoint holds {checkpoint.get('architecture') or earlier}; this run trains the "
+            f"{architecture or earlier}: the model changed, so it cannot continue that run. Start a new run in an "
+            f"empty --checkpoint-dir (the old checkpoint is left as it is)"
         )
     if checkpoint["world_size"] != world_size:
         return (

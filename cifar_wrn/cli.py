@@ -146,3 +146,41 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
             "If you meant one process and exported MASTER_PORT yourself, unset it."
         )
     return None
+
+
+def check_launch(args, cuda_device_count: int) -> None:
+    """raw_ddp.py's launch flags, before any process starts."""
+    if args.num_nodes < 1:
+        raise UserError(f"--num-nodes must be >= 1 (got {args.num_nodes})")
+    if not 0 <= args.node_id < args.num_nodes:
+        raise UserError(
+            f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} (got {args.node_id})"
+        )
+    if args.num_gpus < 1:
+        raise UserError(f"--num-gpus must be >= 1 (got {args.num_gpus})")
+    if args.device == "cuda" and cuda_device_count == 0:
+        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
+    if args.device == "cuda" and args.num_gpus > cuda_device_count:
+        raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
+    check_training_flags(args, writes_outputs=args.node_id == 0)
+    if args.master_addr is None:
+        raise UserError(
+            "--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
+            "node 0, which every node can reach"
+        )
+    if args.master_port is None and args.num_nodes > 1:
+        raise UserError(
+            "--master-port (or $MASTER_PORT) is required with more than one node, "
+            "so that every node meets at the same port"
+        )
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UserError(f"--master-port must be in 1-65535 (got {args.master_port})")
+    if (
+        args.master_port is not None
+        and args.node_id == 0
+        and not launched_by_torchrun()
+        and not port_is_free(args.master_port)
+    ):
+        raise UserError(
+            f"--master-port {args.master_port} is already in use on this machine (another run?); pick another port"
+        )

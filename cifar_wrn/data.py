@@ -26,6 +26,8 @@ NUM_CLASSES = 10
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
+# recipe key normalization: (mean, std) per channel; "course" is the course script's Normalize((0.5,) * 3, (0.5,) * 3)
+NORMALIZATION = {"cifar": (MEAN, STD), "course": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 
 
 class DataError(UserError):
@@ -233,16 +235,34 @@ class Loaders:
 
 
 class CIFAR10(Dataset):
-    """Per-image CPU pipeline: normalised, optionally cropped and flipped."""
+    """Per-image CPU pipeline: augmented (recipe key augmentation) when `augment`, then normalised."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, crop_padding: int = 4):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        augment: bool,
+        crop_padding: int = 4,
+        augmentation: str = "crop_flip",
+        normalization: str = "cifar",
+    ):
         # Lazy: torchvision imports torch._dynamo (slow), which only this pipeline needs.
         from torchvision.transforms import v2
 
         self.images, self.labels = images, labels
-        crop = [v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []
-        steps = crop + [v2.RandomHorizontalFlip()] if augment else []
-        self.transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+        if not augment:
+            steps = []
+        elif augmentation == "course":  # the course script's transform_train, on uint8 tensors instead of PIL images
+            steps = [
+                v2.RandomHorizontalFlip(),
+                v2.RandomRotation(10),
+                v2.RandomAffine(0, shear=10, scale=(0.8, 1.2)),
+                v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
+            ]
+        else:
+            steps = ([v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []) + [v2.RandomHorizontalFlip()]
+        mean, std = NORMALIZATION[normalization]
+        self.transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -3,7 +3,7 @@
 import torch
 from torch.utils.data import Dataset
 
-from .data import CIFAR10, MEAN, STD, DataError
+from .data import CIFAR10, NORMALIZATION, DataError
 
 
 def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
@@ -18,12 +18,21 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
                 channels_last=recipe.channels_last,
                 crop_padding=recipe.crop_padding,
                 flips=flips,
+                normalization=recipe.normalization,
             ),
-            DeviceBatches(*val_data, device, augment=False, channels_last=recipe.channels_last),
+            DeviceBatches(
+                *val_data, device, augment=False, channels_last=recipe.channels_last, normalization=recipe.normalization
+            ),
         )
     return (
-        CIFAR10(*train_data, augment=recipe.augment, crop_padding=recipe.crop_padding),
-        CIFAR10(*val_data, augment=False),
+        CIFAR10(
+            *train_data,
+            augment=recipe.augment,
+            crop_padding=recipe.crop_padding,
+            augmentation=recipe.augmentation,
+            normalization=recipe.normalization,
+        ),
+        CIFAR10(*val_data, augment=False, normalization=recipe.normalization),
     )
 
 
@@ -64,7 +73,12 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
     per_rank = images // world_size
     mine = order[:images][rank::world_size][:per_rank]
     share = DeviceBatches(
-        train_set.images[mine], train_set.labels[mine], device, augment=False, channels_last=recipe.channels_last
+        train_set.images[mine],
+        train_set.labels[mine],
+        device,
+        augment=False,
+        channels_last=recipe.channels_last,
+        normalization=recipe.normalization,
     )
     size = min(batch_size, per_rank)
     return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
@@ -83,13 +97,15 @@ class DeviceBatches(Dataset):
         channels_last: bool = False,
         crop_padding: int = 4,
         flips: torch.Tensor | None = None,
+        normalization: str = "cifar",
     ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
         self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
         self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
-        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
+        mean, std = NORMALIZATION[normalization]
+        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 

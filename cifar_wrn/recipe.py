@@ -45,7 +45,9 @@ class Recipe:
     channels_last: bool = False  # NHWC layout
     cudnn_benchmark: bool = False
     data_pipeline: str = "dataloader"  # dataloader | device (whole dataset on device)
-    augment: bool = True  # random crop + horizontal flip
+    augment: bool = True  # augment the training images (as `augmentation` says)
+    augmentation: str = "crop_flip"  # crop_flip (random crop + flip) | course (the course script's transform_train)
+    normalization: str = "cifar"  # cifar (CIFAR-10 mean/std) | course (Normalize 0.5, 0.5)
     crop_padding: int = 4  # crop padding, pixels (0 = flips only)
     num_workers: int = 4  # DataLoader workers per process
     eval_batch_size: int = 500  # images per process per validation step
@@ -76,6 +78,8 @@ CHOICES = {
     "precision": ("fp32", "bf16"),
     "data_pipeline": ("dataloader", "device"),
     "grad_compression": ("none", "bf16"),
+    "augmentation": ("crop_flip", "course"),
+    "normalization": ("cifar", "course"),
 }
 FIELDS = {f.name: f for f in fields(Recipe)}
 
@@ -195,6 +199,11 @@ def check_recipe(r: Recipe) -> None:
         problems.append(
             "alternating_flip needs augment: true and data_pipeline: device (the per-image pipeline's "
             "workers never see the epoch)"
+        )
+    if r.augment and r.augmentation == "course" and r.data_pipeline == "device":
+        problems.append(
+            "augmentation: course (rotation, affine, colour jitter per image) runs in the DataLoader's workers: "
+            "use data_pipeline: dataloader, or augmentation: crop_flip with the device pipeline"
         )
     if r.num_workers < 0:
         problems.append(f"num_workers must be >= 0 (got {r.num_workers})")

@@ -31,10 +31,12 @@ def git_commit() -> str:
 
 def epoch_line(m: dict) -> str:
     """The course's epoch line, then the safety net's note on a line of its own."""
+    # logs from before training accuracy was counted lack it: their lines as they were printed
+    train = f"Training Accuracy = {m['train_accuracy']:.3f}, " if "train_accuracy" in m else ""
     line = (
         f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
         f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
-        f"Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}"
+        f"{train}Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}"
     )
     if "safety_net" not in m:
         return line
@@ -56,16 +58,20 @@ class Progress:
     cumulative_time: float = 0.0  # validation excluded
     history: list = field(default_factory=list)
     streak: int = 0  # consecutive epochs at the target
+    train_correct: int = 0  # of this epoch's training images so far, every rank's
+    train_images: int = 0
 
     @classmethod
     def of(cls, checkpoint: dict) -> "Progress":
-        return cls(**{f.name: checkpoint[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: checkpoint[f.name] for f in dataclasses.fields(cls) if f.name in checkpoint})
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def mid_epoch(self, steps_done: int, seconds: float) -> "Progress":
-        return dataclasses.replace(self, step=steps_done, epoch_time_so_far=seconds)
+    def mid_epoch(self, steps_done: int, seconds: float, train_correct: int, train_images: int) -> "Progress":
+        return dataclasses.replace(
+            self, step=steps_done, epoch_time_so_far=seconds, train_correct=train_correct, train_images=train_images
+        )
 
     def end_epoch(self, metrics: dict, recipe) -> bool:
         """Record a finished epoch; True when the target was met `patience` epochs in a row.
@@ -73,6 +79,7 @@ class Progress:
         self.history.append(metrics)
         self.streak = self.streak + 1 if metrics["val_accuracy"] >= recipe.target_accuracy else 0
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
+        self.train_correct, self.train_images = 0, 0
         if self.epoch > recipe.epochs:
             metrics["extra_epoch"] = self.epoch - recipe.epochs
         done = self.streak >= recipe.patience
@@ -137,7 +144,7 @@ def open_run_log(
     path, progress: Progress, *, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
 ) -> "JsonLog":
     """Rank 0's JSON log (path None elsewhere; appended to on resume), opened with its header."""
-    from .model import COURSE_WIDTH, count_parameters
+    from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
     log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
     if path:
@@ -153,6 +160,7 @@ def open_run_log(
             train_images=len(data.train_set),
             val_images=data.val_images,
             model_width=model_width,
+            architecture=ARCHITECTURE,
             model_parameters=count_parameters(raw_model),
             recipe=dataclasses.asdict(recipe),
             argv=sys.argv,

@@ -11,14 +11,15 @@
 # (`sbatch --account=myalloc --time=1:00:00 slurm/raw_2gpu.sbatch`) or with SBATCH_ACCOUNT etc.
 # `VAR=${VAR-default}` keeps a value given in the environment, even an empty one.
 
-# Modules to load first, space-separated (`module load $MODULES`); empty: load none. On ARC, see
-# `module spider Python` / `module spider Miniconda3`; the course template may name others.
-MODULES=${MODULES-}
+# Modules to load first, space-separated (`module load $MODULES`); empty: load none. The default is Falcon's
+# supported PyTorch (Python and CUDA come with it); `module spider PyTorch` lists the others.
+MODULES=${MODULES-PyTorch/2.7.1-foss-2024a-CUDA-12.6.0}
 # `module reset` before loading (ARC's advice for job scripts): 1 or 0.
 MODULE_RESET=${MODULE_RESET-0}
-# The Python environment with torch (and accelerate for accel_*.sbatch): a venv or conda env folder
+# The Python environment with the project (and accelerate for accel_*.sbatch): a venv or conda env folder
 # (activated via bin/activate, or its bin/ put first on PATH). "auto": $REPO_DIR/.venv when it
-# exists, else whatever `python` is on PATH after the modules. Empty: do nothing.
+# exists, else whatever `python` is on PATH after the modules. Empty: do nothing. docs/slurm.md's one-time
+# setup makes .venv on top of the module (--system-site-packages: torch stays the module's).
 VENV=${VENV-auto}
 # The Python interpreter and the accelerate command, after the above.
 PYTHON=${PYTHON-python}

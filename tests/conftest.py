@@ -332,7 +332,7 @@ ACCEL_TINY = ["--model-width", "4", "--set", "eval_batch_size=16"]
 # The course's epoch line as both trainers print it (cifar_wrn/runlog.py's epoch_line); group 1: the epoch.
 EPOCH_LINE = re.compile(
     r"^Epoch = +(\d+): Cumulative Time = [\d.]+, Epoch Time = [\d.]+, Images/sec = [\d.]+, "
-    r"Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
+    r"Training Accuracy = [\d.]+, Validation Loss = [\d.]+, Validation Accuracy = [\d.]+$",
     re.M,
 )
 

@@ -244,7 +244,8 @@ def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
     model = WideResNet(width=4)
     model.load_state_dict(torch.load(weights))
     model.eval()
-    loader = DataLoader(CIFAR10(*load_split(parity_dir, train=False, subset=PARITY_VAL), augment=False), batch_size=64)
+    val_set = CIFAR10(*load_split(parity_dir, train=False, subset=PARITY_VAL), augment=False, normalization="course")
+    loader = DataLoader(val_set, batch_size=64)  # the baseline recipe's normalization
     loss_sum, correct = 0.0, 0
     with torch.no_grad():
         for images, labels in loader:

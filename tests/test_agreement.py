@@ -41,7 +41,7 @@ from cifar_wrn.checkpoint import (
     what_was_seen,
 )
 from cifar_wrn.errors import agreed_problem
-from cifar_wrn.model import WideResNet
+from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
 
@@ -119,6 +119,7 @@ def test_resume_problem_names_a_different_data_size():
     checkpoint = {
         "world_size": 2,
         "model_width": 4,
+        "architecture": ARCHITECTURE,
         "recipe": recipe,
         "train_images": 320,
         "val_images": 101,
@@ -330,6 +331,38 @@ def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_ru
     assert other.returncode != 0 and not other.stdout.count("Epoch = ")
     assert f"val images = {VAL_IMAGES}, this run has 51" in other.stderr
     check_no_gloo_thread_at_exit(tmp_path / "accel_threads")
+
+
+def as_a_checkpoint_of_the_earlier_model(path) -> bytes:
+    """Rewrite a checkpoint file as the project's earlier model wrote it (no architecture; its own keys)."""
+    state = torch.load(path, weights_only=True)
+    del state["architecture"]
+    if "model" in state:  # raw_ddp.py's: the earlier model's names
+        state["model"] = {k.replace("input_block.cbr", "stem"): v for k, v in state["model"].items()}
+    torch.save(state, path)
+    return path.read_bytes()
+
+
+def test_a_checkpoint_of_the_earlier_model_is_refused_and_kept(cifar_dir, tmp_path, resume_runs):
+    """A checkpoint written before the model became the course's cannot continue: one error line, said by each
+    rank, that the model changed; the checkpoint is left as it was."""
+    ck = resume_runs.copy("raw/ck", tmp_path / "raw")
+    before = as_a_checkpoint_of_the_earlier_model(ck / "checkpoint.pt")
+    raw = run_raw("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--auto-resume"))
+    ack = resume_runs.copy("accel/ck", tmp_path / "accel")
+    state = ack / (ack / "LATEST").read_text().strip() / "training_state.pt"
+    accel_before = as_a_checkpoint_of_the_earlier_model(state)
+    accel = accelerate_launch(
+        CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ack, "--epochs", 2, "--resume")
+    )
+    for result in (raw, accel):
+        errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
+        assert result.returncode != 0 and "Epoch = " not in result.stdout, result.stderr[-3000:]
+        assert len(errors) == 1 and "the model changed" in errors.pop(), result.stderr[-3000:]
+        assert "an earlier, non-course WideResNet" in result.stderr
+    assert raw.returncode == 2 and "Traceback" not in raw.stderr
+    assert (ck / "checkpoint.pt").read_bytes() == before and state.read_bytes() == accel_before
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.pt"]
 
 
 # ----------------------------------------------------------------------------- data: every node has it

@@ -12,6 +12,7 @@ from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, load_split
 from cifar_wrn.evaluation import evaluate, real_sample_mask, tta_logits
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
+from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
 
 # ----------------------------------------------------------------------------- model
@@ -225,6 +226,7 @@ def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch,
     monkeypatch.setattr(raw_ddp.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 2))
     flags = ["--device", "cpu", "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
     flags += ["--batch-size", 32, "--set", f"data_pipeline={pipeline}", "--set", "num_workers=0"]
+    flags += ["--set", "augmentation=crop_flip"]  # the course's needs the DataLoader pipeline
     args, recipe = raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags]))
     ranks = [raw_ddp.build_data(args, recipe, rank, 2, rank, torch.device("cpu")) for rank in (0, 1)]
     orders = []
@@ -307,12 +309,63 @@ def test_baseline_recipe_is_the_course_default():
         0.85,
         2,
     )
-    assert recipe.precision == "fp32" and recipe.momentum == 0.0
+    # the course script: torch.optim.SGD(lr=0.01, momentum=0.9), fp32, its transform_train and Normalize(0.5)
+    assert recipe.precision == "fp32" and recipe.momentum == 0.9 and not recipe.nesterov
+    assert (recipe.lr_schedule, recipe.weight_decay, recipe.label_smoothing) == ("constant", 0.0, 0.0)
+    assert recipe.augment and (recipe.augmentation, recipe.normalization) == ("course", "course")
+    assert (recipe.lr_scaling, recipe.reference_batch_size, recipe.data_pipeline) == ("linear", 32, "dataloader")
 
 
 def test_recipe_overrides_are_typed():
-    recipe = load_recipe("baseline", {**parse_set(["momentum=0.9", "precision=bf16", "nesterov=true"]), "epochs": 3})
-    assert recipe.momentum == 0.9 and recipe.precision == "bf16" and recipe.nesterov is True and recipe.epochs == 3
+    recipe = load_recipe("baseline", {**parse_set(["momentum=0.5", "precision=bf16", "nesterov=true"]), "epochs": 3})
+    assert recipe.momentum == 0.5 and recipe.precision == "bf16" and recipe.nesterov is True and recipe.epochs == 3
+
+
+def test_the_course_augmentation_is_the_course_scripts_transform_train():
+    """Under one seed, augmentation: course gives what the course's transforms give, in their order, with
+    its Normalize((0.5,) * 3, (0.5,) * 3)."""
+    from torchvision.transforms import v2
+
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    course = v2.Compose(
+        [
+            v2.RandomHorizontalFlip(),
+            v2.RandomRotation(10),
+            v2.RandomAffine(0, shear=10, scale=(0.8, 1.2)),
+            v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+        ]
+    )
+    ours = CIFAR10(images, torch.arange(4), augment=True, augmentation="course", normalization="course")
+    for i in range(4):
+        torch.manual_seed(i)
+        expected = course(images[i])
+        torch.manual_seed(i)
+        torch.testing.assert_close(ours[i][0], expected, rtol=0, atol=0)
+    plain = CIFAR10(images, torch.arange(4), augment=False, normalization="course")[1][0]
+    torch.testing.assert_close(plain, (images[1].float() / 255 - 0.5) / 0.5)
+    crop_flip = CIFAR10(images, torch.arange(4), augment=True, normalization="course")
+    torch.manual_seed(0)
+    assert not torch.equal(crop_flip[0][0], (torch.manual_seed(0), course(images[0]))[1])
+
+
+def test_the_course_augmentation_needs_the_dataloader_pipeline():
+    with pytest.raises(RecipeError, match="augmentation: course .* use data_pipeline: dataloader"):
+        load_recipe("baseline", {"data_pipeline": "device"})
+    assert load_recipe("baseline", {"data_pipeline": "device", "augmentation": "crop_flip"}).augment
+    with pytest.raises(RecipeError, match="augmentation must be one of crop_flip, course"):
+        load_recipe("baseline", {"augmentation": "randaugment"})
+
+
+def test_the_device_pipeline_normalises_as_the_recipe_says():
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for normalization in ("cifar", "course"):
+        device = DeviceBatches(images, torch.arange(4), "cpu", augment=False, normalization=normalization)[[0, 1, 2, 3]]
+        per_image = torch.stack(
+            [CIFAR10(images, torch.arange(4), False, normalization=normalization)[i][0] for i in range(4)]
+        )
+        torch.testing.assert_close(device[0], per_image)
 
 
 @pytest.mark.parametrize("kernels", [False, True])

@@ -51,7 +51,10 @@ COLLECTIVE_FUNCTIONS = [
     "build_data",
     "build_model",
     "train_process",
+    "epoch_metrics",
     "validate",
+    "average_over_ranks",
+    "training_counts",
     "resume",
     "save_checkpoint",
 ]
@@ -184,6 +187,10 @@ def test_end_to_end_two_processes(two_process_run):
     assert set(epochs[0]) >= {"cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy"}
     assert epochs[1]["cumulative_time"] == pytest.approx(epochs[0]["epoch_time"] + epochs[1]["epoch_time"])
     assert epochs[-1]["val_accuracy"] > 0.2  # synthetic classes are easy: well above chance (0.1)
+    for e in epochs:  # the course's training accuracy: every rank's training images of the epoch
+        assert e["train_images"] == 2 * header["steps_per_epoch"] * header["per_device_batch_size"]
+        assert e["train_accuracy"] == e["train_correct"] / e["train_images"] and 0 < e["train_correct"]
+    assert epochs[-1]["train_correct"] > epochs[0]["train_correct"]  # it learns
 
 
 @pytest.mark.core
@@ -204,7 +211,7 @@ def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     _, out = two_process_run
     model = WideResNet(width=4)
     model.load_state_dict(torch.load(out / "w.pt"))  # plain state_dict, no "module." prefix
-    val_set = CIFAR10(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), augment=False)
+    val_set = CIFAR10(*load_split(cifar_dir, train=False, subset=VAL_IMAGES), augment=False, normalization="course")
     loader = torch.utils.data.DataLoader(val_set, batch_size=64)
     totals = evaluate(model, loader, torch.ones(VAL_IMAGES, dtype=torch.bool), torch.device("cpu"))
     _, epochs = read_log(out / "log.jsonl")

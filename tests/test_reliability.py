@@ -26,7 +26,7 @@ from cifar_wrn.checkpoint import (
     resume_problem,
     save_atomic,
 )
-from cifar_wrn.model import WideResNet
+from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import read_log
 
@@ -87,8 +87,11 @@ def test_unwritable_checkpoint_dir_is_refused(tmp_path):
 
 def test_resume_problems_are_named():
     recipe = {"epochs": 3, "lr_schedule": "constant", "base_lr": 0.01, "patience": 2}
-    checkpoint = {"world_size": 2, "model_width": 4, "recipe": dict(recipe, epochs=2)}
+    checkpoint = {"world_size": 2, "model_width": 4, "architecture": ARCHITECTURE, "recipe": dict(recipe, epochs=2)}
     assert resume_problem(checkpoint, recipe, 2, 4) is None  # more epochs on a constant schedule: fine
+    earlier = {k: v for k, v in checkpoint.items() if k != "architecture"}  # before the course's model
+    assert "the model changed" in resume_problem(earlier, recipe, 2, 4)
+    assert resume_problem(earlier, recipe, 2, 4, architecture=None) is None  # two logs of that time (the report)
     assert "written by 2 processes, this run has 4" in resume_problem(checkpoint, recipe, 4, 4)
     assert "base_lr (0.01 -> 0.1)" in resume_problem(checkpoint, dict(recipe, base_lr=0.1), 2, 4)
     warm = dict(recipe, lr_schedule="warmup_linear")
@@ -372,7 +375,7 @@ def preemptible(trainer, cifar_dir):
         return command, cpu_env()
     # the device pipeline: accel_train.py's prepared loader fetches a batch ahead, so with the per-image pipeline
     # a resume in the middle of an epoch is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
-    accel_flags = reliability_flags(cifar_dir, "--set", "data_pipeline=device", *NET)
+    accel_flags = reliability_flags(cifar_dir, "--set", "data_pipeline=device", "--set", "augmentation=crop_flip", *NET)
     return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *accel_flags, *extra), accel_env()
 
 
@@ -430,7 +433,10 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_pa
     assert [e.get("extra_epoch") for e in epochs] == [None, None, 1, 2, 3, 4]
     assert [e["epoch"] for e in epochs if "safety_net" in e] == [2]
     assert epochs[1]["safety_net"] == {"budget": 2, "extra_epochs": 4, "streak": 2, "patience": 6}
-    course = lambda e: {k: e.get(k) for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy")}
+    course = lambda e: {
+        k: e.get(k)
+        for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy", "train_correct", "train_images")
+    }
     assert [course(e) for e in epochs] == [course(e) for e in read_log(tmp_path / "s.jsonl")[1]]
     assert epochs[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
     a, b = torch.load(tmp_path / "s.pt"), torch.load(tmp_path / "r.pt")

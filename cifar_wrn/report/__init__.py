@@ -247,6 +247,7 @@ def other_run(first: dict, later: dict) -> str | None:
     started = {
         "world_size": first["world_size"],
         "model_width": first.get("model_width"),
+        "architecture": first.get("architecture"),  # logs before the course's model lack it
         "recipe": full_recipe(first["recipe"]),
         **{k: first[k] for k in data if k in first},
     }
@@ -256,6 +257,7 @@ def other_run(first: dict, later: dict) -> str | None:
         later["world_size"],
         later.get("model_width"),
         {k: later[k] for k in data if k in later and k in first},
+        later.get("architecture"),
     )
 
 
@@ -596,6 +598,7 @@ def epoch_table(run: Run) -> str:
         "Cumulative Time (s)",
         "Epoch Time (s)",
         "Images/sec",
+        "Train accuracy",
         "Val loss",
         "Val accuracy",
         f">= {run.target}",
@@ -615,6 +618,7 @@ def epoch_table(run: Run) -> str:
                 fmt(e["cumulative_time"]),
                 fmt(e["epoch_time"]),
                 fmt(e["images_per_sec"], 1),
+                fmt(e.get("train_accuracy"), 4),  # logs before it was counted lack it
                 fmt(e["val_loss"], 4),
                 fmt(e["val_accuracy"], 4),
                 mark,
