@@ -323,7 +323,7 @@ def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoc
         "cumulative_time": progress.cumulative_time,
         "epoch_time": epoch_time,
         "images_per_sec": images_per_sec.item(),
-        "train_accuracy": train["train_correct"] / train["train_images"],  # every rank's images, in train mode
+        "train_accuracy": train["train_correct"] / train["train_seen"],  # every rank's images, in train mode
         **train,
         "val_loss": val_loss,
         "val_accuracy": val_accuracy,
@@ -360,7 +360,7 @@ def training_counts(accelerator, progress: Progress, correct: torch.Tensor, step
     images = (step_end - progress.step) * recipe.batch_size
     counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
     correct, images = accelerator.reduce(counts, reduction="sum").tolist()
-    return {"train_correct": progress.train_correct + correct, "train_images": progress.train_images + images}
+    return {"train_correct": progress.train_correct + correct, "train_seen": progress.train_seen + images}
 
 
 def epoch_batches(accelerator, data: Loaders, epoch: int, skip: int):

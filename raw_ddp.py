@@ -338,7 +338,7 @@ def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoc
         "cumulative_time": progress.cumulative_time,
         "epoch_time": epoch_time,
         "images_per_sec": images_per_sec.item() if run.rank == 0 else None,  # the sum reached rank 0 only
-        "train_accuracy": train["train_correct"] / train["train_images"],  # every rank's images, in train mode
+        "train_accuracy": train["train_correct"] / train["train_seen"],  # every rank's images, in train mode
         **train,
         "val_loss": val_loss,
         "val_accuracy": val_accuracy,
@@ -383,7 +383,7 @@ def training_counts(progress: Progress, correct: torch.Tensor, step_end: int, re
     counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     correct, images = counts.tolist()
-    return {"train_correct": progress.train_correct + correct, "train_images": progress.train_images + images}
+    return {"train_correct": progress.train_correct + correct, "train_seen": progress.train_seen + images}
 
 
 def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:

@@ -58,8 +58,8 @@ class Progress:
     cumulative_time: float = 0.0  # validation excluded
     history: list = field(default_factory=list)
     streak: int = 0  # consecutive epochs at the target
-    train_correct: int = 0  # of this epoch's training images so far, every rank's
-    train_images: int = 0
+    train_correct: int = 0  # this epoch's training images so far, every rank's: right, and seen
+    train_seen: int = 0
 
     @classmethod
     def of(cls, checkpoint: dict) -> "Progress":
@@ -68,9 +68,9 @@ class Progress:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def mid_epoch(self, steps_done: int, seconds: float, train_correct: int, train_images: int) -> "Progress":
+    def mid_epoch(self, steps_done: int, seconds: float, train_correct: int, train_seen: int) -> "Progress":
         return dataclasses.replace(
-            self, step=steps_done, epoch_time_so_far=seconds, train_correct=train_correct, train_images=train_images
+            self, step=steps_done, epoch_time_so_far=seconds, train_correct=train_correct, train_seen=train_seen
         )
 
     def end_epoch(self, metrics: dict, recipe) -> bool:
@@ -79,7 +79,7 @@ class Progress:
         self.history.append(metrics)
         self.streak = self.streak + 1 if metrics["val_accuracy"] >= recipe.target_accuracy else 0
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
-        self.train_correct, self.train_images = 0, 0
+        self.train_correct, self.train_seen = 0, 0
         if self.epoch > recipe.epochs:
             metrics["extra_epoch"] = self.epoch - recipe.epochs
         done = self.streak >= recipe.patience

@@ -188,8 +188,8 @@ def test_end_to_end_two_processes(two_process_run):
     assert epochs[1]["cumulative_time"] == pytest.approx(epochs[0]["epoch_time"] + epochs[1]["epoch_time"])
     assert epochs[-1]["val_accuracy"] > 0.2  # synthetic classes are easy: well above chance (0.1)
     for e in epochs:  # the course's training accuracy: every rank's training images of the epoch
-        assert e["train_images"] == 2 * header["steps_per_epoch"] * header["per_device_batch_size"]
-        assert e["train_accuracy"] == e["train_correct"] / e["train_images"] and 0 < e["train_correct"]
+        assert e["train_seen"] == 2 * header["steps_per_epoch"] * header["per_device_batch_size"]
+        assert e["train_accuracy"] == e["train_correct"] / e["train_seen"] and 0 < e["train_correct"]
     assert epochs[-1]["train_correct"] > epochs[0]["train_correct"]  # it learns
 
 

@@ -435,7 +435,7 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_pa
     assert epochs[1]["safety_net"] == {"budget": 2, "extra_epochs": 4, "streak": 2, "patience": 6}
     course = lambda e: {
         k: e.get(k)
-        for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy", "train_correct", "train_images")
+        for k in ("epoch", "extra_epoch", "safety_net", "val_loss", "val_accuracy", "train_correct", "train_seen")
     }
     assert [course(e) for e in epochs] == [course(e) for e in read_log(tmp_path / "s.jsonl")[1]]
     assert epochs[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
