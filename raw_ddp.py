@@ -69,7 +69,7 @@ from cifar_wrn.data import (
 )
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
-from cifar_wrn.evaluation import evaluate, real_sample_mask
+from cifar_wrn.evaluation import evaluate, exact_ratios, real_sample_mask
 from cifar_wrn.model import ARCHITECTURE, WideResNet, init_residual_bn
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import DeviceBatches, make_datasets, recalibration_batches
@@ -362,9 +362,7 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     )
     # R1.9: the mean over ranks of each rank's (loss sum, correct, count)
     average_over_ranks(totals)  # R1.9
-    # times world_size, the sums again; the counts rounded back to whole images, so the ratio is exact
-    loss_sum, correct, count = (totals * dist.get_world_size()).tolist()
-    return loss_sum / round(count), round(correct) / round(count)
+    return exact_ratios(totals, dist.get_world_size())
 
 
 def average_over_ranks(tensor: torch.Tensor) -> None:

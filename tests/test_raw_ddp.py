@@ -4,6 +4,7 @@ import json
 import re
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from conftest import (
 import raw_ddp
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
-from cifar_wrn.evaluation import evaluate
+from cifar_wrn.evaluation import evaluate, exact_ratios
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 
@@ -338,3 +339,37 @@ def test_corrupt_file_is_named(tmp_path, cifar_dir):
     result = run_raw("--num-gpus", 2, *TINY, *data_flags(tmp_path / "d"), "--dist-timeout", 30, timeout=90)
     assert result.returncode == 2
     assert f"{batch} cannot be read" in result.stderr and "Traceback" not in result.stderr
+
+
+def average_on_the_target(rank: int, world_size: int, port: int, out: str) -> None:
+    """One rank of average_over_ranks + exact_ratios, the two steps of raw_ddp.validate after evaluate(): 8,500
+    correct of 10,000 images dealt unevenly over the ranks (and a loss sum of 0.1 per image)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    count = 10_000 // world_size + (rank < 10_000 % world_size)
+    correct = 8_500 // world_size + (rank < 8_500 % world_size)
+    totals = torch.tensor([0.1 * count, correct, count], dtype=torch.float64)
+    raw_ddp.average_over_ranks(totals)
+    naive = (totals[1] / totals[2]).item()
+    loss, accuracy = exact_ratios(totals, world_size)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"naive": naive, "accuracy": accuracy, "loss": loss}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_validation_ratios_are_exact_at_every_world_size(tmp_path):
+    """R1.9's ReduceOp.AVG divides each sum by the world size; at 7 ranks 8,500/7 over 10,000/7 is
+    0.8499999999999999 and would fail >= 0.85. Multiplied back and rounded, the accuracy is 0.85 at 1-8 ranks."""
+    import torch.multiprocessing as mp
+
+    seen = {}
+    for world_size in range(1, 9):
+        out = tmp_path / f"{world_size}.json"
+        args = (world_size, free_port(), str(out))  # fork: the ranks start without importing torch again
+        mp.start_processes(average_on_the_target, args=args, nprocs=world_size, start_method="fork")
+        seen[world_size] = json.loads(out.read_text())
+    assert all(r["accuracy"] == 0.85 and r["accuracy"] >= 0.85 for r in seen.values()), seen
+    assert all(r["loss"] == pytest.approx(0.1, abs=1e-12) for r in seen.values())
+    assert seen[7]["naive"] < 0.85  # the plain AVG ratio: what the exact one mends
