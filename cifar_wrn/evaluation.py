@@ -31,13 +31,13 @@ def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
 
 
 def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int = 0, cache: dict | None = None):
-    """Weighted mean of the logits over tta_weights' views; `cache` reuses them across calls."""
+    """Weighted mean (in fp32) of the logits over tta_weights' views; `cache` reuses them across calls."""
     cache = {} if cache is None else cache
     total = 0
     for (shift, mirrored), weight in tta_weights(flip, translate).items():
         if (shift, mirrored) not in cache:
             cache[shift, mirrored] = model(tta_view(images, shift, mirrored))
-        total = total + weight * cache[shift, mirrored]
+        total = total + weight * cache[shift, mirrored].float()  # fp32 mean of bf16 views, as in both trainers
     return total
 
 

@@ -297,6 +297,18 @@ def test_tta_logits_weights_each_view(channels_last):
     torch.testing.assert_close(tta_logits(pixels, x, flip=True, translate=1), both[0] / 2 + (both[1] + both[2]) / 4)
 
 
+def test_bf16_tta_views_are_averaged_in_fp32():
+    """Under bf16 autocast the views' logits are bf16; their mean is taken in fp32 (as accel_train.py's prepared
+    model returns fp32), so both trainers compute the same validation from the same weights."""
+    model = WideResNet(width=4).eval()
+    images = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, mirrored = model(images), model(images.flip(3))
+        averaged = tta_logits(model, images, flip=True)
+    assert plain.dtype == torch.bfloat16 and averaged.dtype == torch.float32
+    assert torch.equal(averaged, 0.5 * plain.float() + 0.5 * mirrored.float())
+
+
 # ----------------------------------------------------------------------------- recipes
 
 
