@@ -169,6 +169,12 @@ def check_recipe(r: Recipe) -> None:
             f"anneal_epochs {r.anneal_epochs:g} must be longer than warmup_epochs {r.warmup_epochs:g}: "
             f"the decay starts where the warmup ends"
         )
+    if r.extra_epochs > 0 and r.lr_schedule == "warmup_linear" and 0 < r.anneal_epochs < r.epochs:
+        problems.append(
+            f"extra_epochs replays the budget's last epoch, and with anneal_epochs {r.anneal_epochs:g} < epochs "
+            f"{r.epochs} the decay has ended before it: all or part of each extra epoch would train at learning rate "
+            f"0; set extra_epochs: 0, or anneal_epochs: 0 (the decay ends with the budget)"
+        )
     if not 0 < r.residual_bn_init <= 1:
         problems.append(
             f"residual_bn_init must be in (0, 1] (got {r.residual_bn_init:g}; 0 never trains: the body ends BN -> ReLU)"

@@ -12,7 +12,7 @@ from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler
-from cifar_wrn.recipe import Recipe, load_recipe
+from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
 from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
 
 # ----------------------------------------------------------------------------- the rule, without processes
@@ -90,15 +90,25 @@ def test_a_resumed_progress_decides_alike():
 
 def test_extra_epochs_replay_the_budgets_last_epoch_learning_rates():
     """Linear decay reaches 0 at the budget's end; each extra epoch runs the last epoch's rates again (not lr 0)."""
-    for keys in ({}, {"anneal_epochs": 1.5}):
-        recipe = Recipe(epochs=2, lr_schedule="warmup_linear", warmup_epochs=0.5, extra_epochs=2, **keys)
-        optimizer = build_optimizer(WideResNet(width=4), recipe, lr=1.0)
-        scheduler, lrs = build_scheduler(optimizer, recipe, steps_per_epoch=10), []
-        for _ in range(40):
-            lrs.append(optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-        assert lrs[20:30] == lrs[10:20] == lrs[30:40] and lrs[20] > lrs[29] and lrs[20] > 0
+    recipe = Recipe(epochs=2, lr_schedule="warmup_linear", warmup_epochs=0.5, extra_epochs=2)
+    optimizer = build_optimizer(WideResNet(width=4), recipe, lr=1.0)
+    scheduler, lrs = build_scheduler(optimizer, recipe, steps_per_epoch=10), []
+    for _ in range(40):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[20:30] == lrs[10:20] == lrs[30:40] and lrs[20] > lrs[29] and lrs[20] > 0
+
+
+@pytest.mark.parametrize("anneal", [1.0, 1.5, 3.0])
+def test_a_safety_net_that_would_replay_learning_rate_0_is_refused(anneal):
+    """anneal_epochs below `epochs` ends the decay early: the budget's last epoch, which the extra epochs replay,
+    then runs wholly (1.0 of 2) or partly (1.5) at learning rate 0 and an extra epoch would only burn time."""
+    with pytest.raises(RecipeError, match=r"extra_epochs replays the budget's last epoch.* learning rate 0"):
+        load_recipe("fast", {"anneal_epochs": anneal})
+    recipe = load_recipe("fast", {"anneal_epochs": anneal, "extra_epochs": 0})  # without the net: a valid recipe
+    assert recipe.anneal_epochs == anneal
+    assert load_recipe("fast", {"anneal_epochs": 4.0}).extra_epochs == 1  # the decay ends with the budget: fine
 
 
 def test_extra_epochs_is_checked_and_only_fast_turns_it_on():
