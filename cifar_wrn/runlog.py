@@ -48,6 +48,19 @@ def epoch_line(m: dict) -> str:
     )
 
 
+def criterion_met(accuracies: list, target: float, patience: int) -> bool:
+    """The course's stopping rule: the last `patience` validation accuracies are all >= target."""
+    return len(accuracies) >= patience and all(accuracy >= target for accuracy in accuracies[-patience:])
+
+
+def trailing_streak(accuracies: list, target: float) -> int:
+    """How many of the last accuracies in a row are >= target."""
+    streak = 0
+    while streak < len(accuracies) and criterion_met(accuracies, target, streak + 1):
+        streak += 1
+    return streak
+
+
 @dataclass
 class Progress:
     """Where a run stands: what a checkpoint stores besides the weights, under the same keys."""
@@ -57,7 +70,7 @@ class Progress:
     epoch_time_so_far: float = 0.0
     cumulative_time: float = 0.0  # validation excluded
     history: list = field(default_factory=list)
-    streak: int = 0  # consecutive epochs at the target
+    streak: int = 0  # consecutive epochs at the target, recounted from `history` under the recipe in force
     train_correct: int = 0  # this epoch's training images so far, every rank's: right, and seen
     train_seen: int = 0
 
@@ -77,12 +90,14 @@ class Progress:
         """Record a finished epoch; True when the target was met `patience` epochs in a row.
         Marks the safety net's epochs in `metrics`."""
         self.history.append(metrics)
-        self.streak = self.streak + 1 if metrics["val_accuracy"] >= recipe.target_accuracy else 0
+        # recounted from every logged accuracy: a resume may have changed target_accuracy or patience
+        accuracies = [m["val_accuracy"] for m in self.history]
+        self.streak = trailing_streak(accuracies, recipe.target_accuracy)
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
         self.train_correct, self.train_seen = 0, 0
         if self.epoch > recipe.epochs:
             metrics["extra_epoch"] = self.epoch - recipe.epochs
-        done = self.streak >= recipe.patience
+        done = criterion_met(accuracies, recipe.target_accuracy, recipe.patience)
         if not done and self.epoch == recipe.epochs and self.safety_net_open(recipe):
             metrics["safety_net"] = {
                 "budget": recipe.epochs,
@@ -95,7 +110,8 @@ class Progress:
     def safety_net_open(self, recipe) -> bool:
         """Can the target still be met `patience` epochs in a row within the extra epochs left?"""
         left = recipe.epochs + recipe.extra_epochs - self.epoch
-        return left > 0 and self.streak + left >= recipe.patience
+        streak = trailing_streak([m["val_accuracy"] for m in self.history], recipe.target_accuracy)
+        return left > 0 and streak + left >= recipe.patience
 
     def epochs(self, recipe):
         """The epochs left: the budget's, then the safety net's while it is open."""

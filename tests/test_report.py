@@ -607,7 +607,25 @@ def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_he
     )
     run = report.read_run(path)
     assert run.patience == 1 and len(run.epochs) == 4  # the rule the run ended with
-    assert report.time_to_target(run.epochs, run.target, run.patience) == 200.0
+    # each epoch under the rule in force when it was logged, as the trainers stopped: epoch 2 (0.86) was one of
+    # 2 in a row; the resumed run's epoch 3 (0.87) meets patience 1 (the final rule alone would say epoch 2)
+    assert report.time_to_target(run.epochs, *run.rules) == 300.0
+
+
+def test_a_resume_with_a_lower_target_is_met_where_the_trainer_stopped(tmp_path):
+    """Epochs 1-2 under target 0.9 (0.50, 0.86: no stop); resumed at epoch 3 under 0.85: the trainer stops at
+    epoch 3 (its last two, 0.86 and 0.87, >= 0.85), not at epoch 2, where 0.9 was in force."""
+    path = resumed_log(
+        tmp_path / "r.jsonl",
+        {0: None, 2: {"epoch": 3, "step": 0}},
+        {0: {"recipe_edits": {"target_accuracy": 0.9}}},
+    )
+    run = report.read_run(path)
+    assert run.rules == ([0.9, 0.9, 0.85, 0.85], [2, 2, 2, 2])
+    assert report.stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules) == 2
+    text = report.write_report([run], tmp_path / "out", figures=False)[0].read_text()
+    assert "| 3 | 300.000 | 100.000 | 490.0 | – | 1.1300 | 0.8700 | 2/2, stop |" in text
+    assert "| 2 | 200.000 | 100.000 | 510.0 | – | 1.1400 | 0.8600 |  |" in text  # 0.86 < 0.9 then
 
 
 def test_the_committed_resumed_logs_are_each_one_run():

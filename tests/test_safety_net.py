@@ -13,7 +13,7 @@ from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
-from cifar_wrn.runlog import Progress, epoch_line, final_line, read_log
+from cifar_wrn.runlog import Progress, criterion_met, epoch_line, final_line, read_log
 
 # ----------------------------------------------------------------------------- the rule, without processes
 
@@ -86,6 +86,26 @@ def test_a_resumed_progress_decides_alike():
     first, _, _ = simulate(accuracies[:4])
     resumed, done, records = simulate(accuracies, Progress.of(first.as_dict()), extra_epochs=1)
     assert (resumed.epoch, done, [r["epoch"] for r in records]) == (5, True, [5])
+
+
+def test_a_resume_that_changes_the_rule_recounts_the_streak_from_the_logged_accuracies():
+    """A run at target 0.85 logs 0.70, 0.86 (streak 1), then resumes at target 0.87: the course's rule (the last
+    `patience` accuracies all >= target) reads 0.86 under 0.87, so epoch 3's 0.88 is one epoch in a row, not
+    two; the run stops at epoch 4. A lowered patience counts the logged epochs too."""
+    first, at_target = Progress(), Recipe(epochs=4, target_accuracy=0.85, patience=2)
+    assert [first.end_epoch({"epoch": e + 1, "val_accuracy": a}, at_target) for e, a in enumerate((0.70, 0.86))] == [
+        False,
+        False,
+    ]
+    assert (first.epoch, first.streak) == (2, 1)
+    raised = Recipe(epochs=4, target_accuracy=0.87, patience=2)
+    resumed = Progress.of(first.as_dict())
+    assert [(e, resumed.end_epoch({"epoch": e + 1, "val_accuracy": a}, raised)) for e, a in ((2, 0.88), (3, 0.89))] == [
+        (2, False),
+        (3, True),
+    ]
+    assert criterion_met([0.70, 0.86, 0.88], 0.87, 2) is False and criterion_met([0.86, 0.88, 0.89], 0.87, 2)
+    assert criterion_met([0.86], 0.85, 2) is False and criterion_met([0.86], 0.85, 1)
 
 
 def test_extra_epochs_replay_the_budgets_last_epoch_learning_rates():

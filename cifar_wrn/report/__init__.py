@@ -55,18 +55,21 @@ class LogError(UserError):
 # ============================================================================ the arithmetic
 
 
-def stopping_epoch(accuracies, target: float, patience: int) -> int | None:
-    """Index (0-based) of the first epoch whose accuracy is >= target for the `patience`-th epoch in a
-    row: the epoch at which the trainers stop early. None when that never happens."""
-    streak = 0
-    for i, accuracy in enumerate(accuracies):
-        streak = streak + 1 if accuracy >= target else 0  # the trainers' rule, to the letter
-        if streak >= patience:
+def stopping_epoch(accuracies, target, patience) -> int | None:
+    """Index (0-based) of the first epoch at which the trainers stop early (runlog.criterion_met, the course's
+    rule), or None. `target` and `patience`: one value, or one per epoch (the values in force when it was
+    logged: a resume may change them, Run.rules)."""
+    from ..runlog import criterion_met
+
+    targets = target if isinstance(target, list) else [target] * len(accuracies)
+    patiences = patience if isinstance(patience, list) else [patience] * len(accuracies)
+    for i in range(len(accuracies)):
+        if criterion_met(accuracies[: i + 1], targets[i], patiences[i]):
             return i
     return None
 
 
-def time_to_target(epochs: list[dict], target: float, patience: int) -> float | None:
+def time_to_target(epochs: list[dict], target, patience) -> float | None:
     """Cumulative Time (seconds of training, validation excluded) at the stopping epoch, or None."""
     i = stopping_epoch([e["val_accuracy"] for e in epochs], target, patience)
     return None if i is None else float(epochs[i]["cumulative_time"])
@@ -166,6 +169,17 @@ class Run:
     @property
     def patience(self) -> int:
         return self.recipe["patience"]
+
+    @property
+    def rules(self) -> tuple[list[float], list[int]]:
+        """(targets, patiences), one per epoch: the stopping rule of the header in force when it was logged."""
+
+        def rule(epoch: dict, key: str):
+            line = epoch.get("log_line", 0)
+            headers = [s.header for s in self.segments if s.line < line] or [self.header]
+            return headers[-1]["recipe"][key]
+
+        return [rule(e, "target_accuracy") for e in self.epochs], [rule(e, "patience") for e in self.epochs]
 
     @property
     def config(self) -> tuple:
@@ -375,7 +389,7 @@ def scaling(runs: list[Run]) -> Scaling:
         {
             "run": r,
             "p": r.world_size,
-            "time_to_target": time_to_target(r.epochs, r.target, r.patience),
+            "time_to_target": time_to_target(r.epochs, *r.rules),
             "images_per_sec": mean_images_per_sec(r.epochs),
             "final_accuracy": r.epochs[-1]["val_accuracy"] if r.epochs else None,
         }
@@ -411,7 +425,7 @@ def scaling(runs: list[Run]) -> Scaling:
     compared = [row for row in rows if row.get("reference")]
     if not paired:
         return Scaling(rows, None, singles[0], notes)
-    epochs = lambda r: time_to_target(r.epochs, r.target, r.patience)
+    epochs = lambda r: time_to_target(r.epochs, *r.rules)
     if all(row["time_to_target"] and epochs(row["reference"]) for row in compared):
         basis, value = "time", lambda row: speedup_by_time(epochs(row["reference"]), row["time_to_target"])
     elif all(row["images_per_sec"] and row["reference"].epochs for row in compared):
@@ -589,9 +603,11 @@ def resume_text(run: Run) -> str:
 
 
 def epoch_table(run: Run) -> str:
+    from ..runlog import trailing_streak
+
     if not run.epochs:
         return "_No epoch records: the run ended before its first epoch finished._"
-    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules)
     parts = _profile_keys(run.epochs)
     head = [
         "Epoch",
@@ -603,14 +619,11 @@ def epoch_table(run: Run) -> str:
         "Val accuracy",
         f">= {run.target}",
     ] + [f"{k} (s)" for k in parts]
-    rows, streak = [], 0
+    rows, (targets, patiences) = [], run.rules
+    accuracies = [e["val_accuracy"] for e in run.epochs]
     for i, e in enumerate(run.epochs):
-        streak = streak + 1 if e["val_accuracy"] >= run.target else 0
-        mark = (
-            f"{streak}/{run.patience}, stop"
-            if i == stop
-            else (f"{min(streak, run.patience)}/{run.patience}" if streak else "")
-        )
+        streak, patience = trailing_streak(accuracies[: i + 1], targets[i]), patiences[i]  # the rule then in force
+        mark = f"{streak}/{patience}, stop" if i == stop else (f"{min(streak, patience)}/{patience}" if streak else "")
         profile = e.get("profile") if isinstance(e.get("profile"), dict) else {}
         rows.append(
             [
@@ -1012,7 +1025,7 @@ def compare_blocks(before: Run, after: Run) -> list[tuple]:
         if full_recipe(before.recipe).get(k) != full_recipe(after.recipe).get(k)
     ]
     measure = lambda r: [
-        fmt(time_to_target(r.epochs, r.target, r.patience), missing="not reached"),
+        fmt(time_to_target(r.epochs, *r.rules), missing="not reached"),
         fmt(mean_images_per_sec(r.epochs), 1),
         fmt(r.epochs[-1]["val_accuracy"], 4) if r.epochs else "–",
         len(r.epochs),
@@ -1148,7 +1161,7 @@ def main_run(runs: list[Run]) -> Run:
     else the one with the most processes; the first given among equals."""
 
     def rank(r):
-        met = time_to_target(r.epochs, r.target, r.patience) is not None
+        met = time_to_target(r.epochs, *r.rules) is not None
         return (r.world_size == 2, r.world_size if r.world_size != 2 else 0, met)
 
     return max(runs, key=rank)  # max keeps the first of equal keys
@@ -1162,7 +1175,7 @@ def printed_lines(run: Run) -> list[str]:
     from ..runlog import Progress, epoch_line, final_line
 
     lines = [epoch_line(e) for e in run.epochs]
-    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules)
     stopped = stop is not None and stop == len(run.epochs) - 1
     budget = run.recipe.get("epochs")
     ended = run.epochs and "safety_net" not in run.epochs[-1]  # the net fired there: the run went on
@@ -1179,7 +1192,7 @@ def printed_lines(run: Run) -> list[str]:
 
 def criterion_text(run: Run) -> str:
     """The Cumulative Time at which the stopping criterion was first met, in words."""
-    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+    stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules)
     rule = f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"
     if stop is None:
         return f"Not met: {rule} did not happen in the {len(run.epochs)} epoch(s) of this log."
@@ -1238,7 +1251,7 @@ def plot_accuracy(mpl, runs: list[Run], path: Path) -> Path:
     for run in runs:
         xs = [e["cumulative_time"] for e in run.epochs]
         (line,) = ax.plot(xs, [e["val_accuracy"] for e in run.epochs], marker="o", ms=3, label=_legend_name(run))
-        stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], run.target, run.patience)
+        stop = stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules)
         if stop is not None:
             ax.plot(
                 [xs[stop]],
