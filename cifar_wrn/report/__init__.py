@@ -575,6 +575,8 @@ def header_facts(run: Run) -> list[list]:
         ("started", "started_at"),
     ]
     facts += [[name, h[key]] for name, key in optional if key in h]
+    # logs from before the course's model (commit 6f38cac) lack it: they trained the earlier variant
+    facts.append(["model", h.get("architecture") or "the project's earlier, non-course WideResNet (AdaptiveAvgPool2d)"])
     facts.append(["stopping rule", f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"])
     if run.resumes:
         facts.append(["resumed", resume_text(run)])
