@@ -63,7 +63,9 @@ def test_orthogonalised_update_has_singular_values_near_one(shape, steps):
     assert (out.double() - reference).norm() < 0.06 * reference.norm()  # bf16 rounding only (2-4 %)
 
 
-@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon (2.7.1, Falcon's, has none)")
+@pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon (2.7.1, Falcon's, has none)"
+)
 def test_muon_step_on_a_kernel_equals_torch_optim_muon_on_the_matrix():
     """Without momentum (torch.optim.Muon's momentum is an average, a scale the orthogonalisation removes, but
     one that bf16 rounds differently) and for a kernel with out <= in*k*k (torch's rate adjustment is 1)."""

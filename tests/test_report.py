@@ -612,6 +612,47 @@ def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_he
     assert report.time_to_target(run.epochs, *run.rules) == 300.0
 
 
+def test_data_partitioning_of_an_accelerate_dataloader_run_is_accelerates_not_the_samplers(tmp_path):
+    """accel_train.py's DataLoader path has no DistributedSampler: Accelerate cuts the shuffled loader's batches
+    (the short last one dropped) and deals them out, rank r taking batches r, r + W, ... (a last incomplete
+    round of W dropped too); validation batches the same way, a last short round completed by repeats that
+    gather_for_metrics drops. 50,000 / 32 = 1,562 batches: 781 per rank, 16 images unused; 10,000 / 500 = 20."""
+    recipe = {"target_accuracy": 0.85, "patience": 2, "batch_size": 32, "data_pipeline": "dataloader"}
+    log = write_log(
+        tmp_path / "accel.jsonl", 1, 2, TWO, trainer="accelerate", val_images=10000, per_device_batch_size=32
+    )
+    log.write_text(log.read_text().replace('"batch_size": 32}', json.dumps(recipe)[1:]))
+    text = report.write_report([report.read_run(log)], tmp_path / "out", figures=False)[0].read_text()
+    assert (
+        "| accel | train | 50000 | 2 | 24992 | 0 | none | 781 x 32 (16 unused: the short batch and the last round) |"
+        in (text)
+    ), text[text.index("Demonstrate 2") : text.index("Demonstrate 3")]
+    assert "| accel | validation | 10000 | 2 | 5000 | 0 | none | – |" in text
+    assert "Accelerate's prepare() (A1.5)" in text
+    raw = write_log(tmp_path / "raw.jsonl", 1, 2, TWO, val_images=10000, per_device_batch_size=32)
+    text = report.write_report([report.read_run(raw)], tmp_path / "out_raw", figures=False)[0].read_text()
+    assert "| raw | train | 50000 | 2 | 25000 | 0 | none | 781 x 32 (8 dropped) |" in text
+
+
+@pytest.mark.parametrize(
+    "n, world, batch, drop_last",
+    [(50000, 2, 32, True), (101, 2, 32, True), (320, 3, 32, True), (101, 2, 32, False), (1000, 3, 128, False)],
+)
+def test_accelerate_shards_is_what_accelerates_batch_sampler_shard_deals(n, world, batch, drop_last):
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batches = BatchSampler(SequentialSampler(range(n)), batch, drop_last=drop_last)
+    ranks = [list(BatchSamplerShard(batches, num_processes=world, process_index=r)) for r in range(world)]
+    images = [[i for b in rank for i in b] for rank in ranks]
+    seen = [i for rank in images for i in rank]
+    shards = report.accelerate_shards(n, world, batch, drop_last)
+    assert (shards["shard"], shards["steps"]) == (max(map(len, images)), len(ranks[0]))
+    assert shards["padding"] == len(seen) - len(set(seen)) and shards["unused"] == n - len(set(seen))
+    repeats = [r for r in range(world) if any(seen.index(i) < sum(map(len, images[:r])) for i in images[r])]
+    assert shards["padded_ranks"] == repeats
+
+
 def test_a_resume_with_a_lower_target_is_met_where_the_trainer_stopped(tmp_path):
     """Epochs 1-2 under target 0.9 (0.50, 0.86: no stop); resumed at epoch 3 under 0.85: the trainer stops at
     epoch 3 (its last two, 0.86 and 0.87, >= 0.85), not at epoch 2, where 0.9 was in force."""

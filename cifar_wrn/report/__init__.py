@@ -811,6 +811,31 @@ def shards(n: int, world: int, batch: int | None) -> dict:
     }
 
 
+def accelerate_shards(n: int, world: int, batch: int, drop_last: bool) -> dict:
+    """Accelerate's prepare() of a plain DataLoader (accel_train.py's DataLoader path): the loader's batches dealt
+    out in rounds, rank r taking batches r, r + W, ... With drop_last the short batch and a last incomplete
+    round are dropped; without it (even_batches) the short batch and the last round are filled up with the first
+    images again, which gather_for_metrics leaves out."""
+    if drop_last:
+        rounds = n // batch // world
+        return {
+            "shard": rounds * batch,
+            "padding": 0,
+            "padded_ranks": [],
+            "steps": rounds,
+            "unused": n - rounds * world * batch,
+        }
+    rounds = math.ceil(math.ceil(n / batch) / world)
+    padded = [r for r in range(world) if any((j * world + r + 1) * batch > n for j in range(rounds))]
+    return {
+        "shard": rounds * batch,
+        "padding": rounds * world * batch - n,
+        "padded_ranks": padded,
+        "steps": rounds,
+        "unused": 0,
+    }
+
+
 def gradient_bytes(run: Run) -> tuple[int, int] | None:
     """(bytes all-reduced per step, estimated DDP buckets) from the header's parameter count: gradients in the
     parameters' dtype (fp32, also under bf16 autocast), half that with grad_compression bf16; buckets from
@@ -853,12 +878,20 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
         explain("topology"),
         ("h", "Demonstrate 2: data partitioning"),
     ]
-    rows = []
+    rows, accelerate = [], False
     for r in runs:
         batch = r.header.get("per_device_batch_size")
+        prepared = r.header.get("trainer") == "accelerate" and r.recipe.get("data_pipeline") != "device"
+        accelerate |= prepared
         for split, key, b in (("train", "train_images", batch), ("validation", "val_images", None)):
             n = r.header.get(key)
-            if isinstance(n, int):
+            if isinstance(n, int) and prepared and isinstance(batch, int):
+                eval_batch = r.recipe.get("eval_batch_size", 500)
+                sh = accelerate_shards(n, r.world_size, b or eval_batch, drop_last=b is not None)
+                steps = f"{sh['steps']} x {b} ({sh['unused']} unused: the short batch and the last round)"
+                row = [r.label, split, n, r.world_size, sh["shard"], sh["padding"]]
+                rows.append(row + [", ".join(map(str, sh["padded_ranks"])) or "none", "–" if b is None else steps])
+            elif isinstance(n, int):
                 sh = shards(n, r.world_size, b)
                 rows.append(
                     [
@@ -885,7 +918,15 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
             "DistributedSampler (R1.5) gives each rank ceil(n / world size) indices; the padding "
             "(shard x world size - n) repeats the first indices, one each on the last ranks. Training "
             "batches drop the short last one (drop_last); validation leaves the repeats out of its sums. "
-            "From each header's image counts and per-process batch:",
+            + (
+                "For accel_train.py's DataLoader path there is no DistributedSampler: Accelerate's prepare() (A1.5) "
+                "deals the shuffled loader's batches out in rounds, rank r taking batches r, r + W, ... "
+                "(training drops the short batch and a last incomplete round; validation completes it with "
+                "repeats that gather_for_metrics leaves out). "
+                if accelerate
+                else ""
+            )
+            + "From each header's image counts and per-process batch:",
         ),
         (
             "table",
