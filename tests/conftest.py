@@ -467,9 +467,9 @@ def check_profile(log_path, trace_dir):
     assert traces == ["rank0", "rank1"]
 
 
-def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
-    """The last logged validation metrics (bf16, flip and 1-pixel shift TTA) equal one process evaluating the saved
-    weights."""
+def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir, tta_translate: int = 1):
+    """The last logged validation metrics (bf16, flip and `tta_translate`-pixel shift TTA) equal one process
+    evaluating the saved weights."""
     from torch.utils.data import BatchSampler, DataLoader
 
     from cifar_wrn.data import load_split
@@ -490,7 +490,7 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
         torch.device("cpu"),
         torch.bfloat16,
         tta_flip=True,
-        tta_translate=1,
+        tta_translate=tta_translate,
     )
     assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ

@@ -111,6 +111,25 @@ def test_fast_recipe_file():
     assert fast.nesterov and fast.momentum > 0 and fast.batch_size > load_recipe("baseline").batch_size
 
 
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, tmp_path, trainer):
+    """The fast recipe with ema_decay 0: the evaluated network is the trained one, in bf16 with flip TTA. Both
+    trainers report the validation of their saved weights as one process computes it (the views averaged in
+    fp32: raw_ddp.py once averaged them in bf16, accel_train.py in fp32)."""
+    from test_accel import ACCEL_TINY, CONFIGS, accelerate_launch
+
+    flags = [*data_flags(cifar_dir), *FAST_2_EPOCHS, "--epochs", 1, "--set", "ema_decay=0", "--set", "tta_flip=true"]
+    flags += ["--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl"]
+    if trainer == "raw":
+        result = run_raw("--num-gpus", 2, *TINY, *flags)
+    else:
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *ACCEL_TINY, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, _ = read_log(tmp_path / "log.jsonl")
+    assert header["recipe"]["ema_decay"] == 0 and header["recipe"]["precision"] == "bf16"
+    check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir, tta_translate=0)
+
+
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
     flip and 1-pixel shift TTA, augmentation with 2-pixel crop padding, a doubled rate for BatchNorm
