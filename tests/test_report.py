@@ -653,6 +653,17 @@ def test_accelerate_shards_is_what_accelerates_batch_sampler_shard_deals(n, worl
     assert shards["padded_ranks"] == repeats
 
 
+def test_no_quoted_code_box_is_empty_and_demonstrate_3_quotes_the_ddp_wrap():
+    """Every code box of the committed example quotes lines of raw_ddp.py; Demonstrate 3 shows the whole
+    `model = DDP(...)` statement (its tag sits on the comment above and on the device_ids line)."""
+    text = (EXAMPLE / "report.md").read_text()
+    assert "(no such tagged line" not in text
+    section = text[text.index("Demonstrate 3") : text.index("Demonstrate 4")]
+    wrap = report.statement_lines("= DDP(")
+    assert wrap[0].split(": ", 1)[1] == "model = DDP(" and wrap[-1].endswith(")") and len(wrap) >= 3
+    assert all(line in section for line in wrap) and any("device_ids=" in line for line in wrap)
+
+
 def test_a_resume_with_a_lower_target_is_met_where_the_trainer_stopped(tmp_path):
     """Epochs 1-2 under target 0.9 (0.50, 0.86: no stop); resumed at epoch 3 under 0.85: the trainer stops at
     epoch 3 (its last two, 0.86 and 0.87, >= 0.85), not at epoch 2, where 0.9 was in force."""

@@ -790,6 +790,23 @@ def code_lines(step: str, containing: str = "", source: Path = RAW_DDP) -> list[
     ]
 
 
+def statement_lines(opening: str, source: Path = RAW_DDP) -> list[str]:
+    """Each statement whose first line contains `opening`, whole (to its closing bracket), as 'NNN: code': the
+    DDP wrap quoted however the formatter splits it."""
+    text, out = source.read_text(encoding="utf-8").splitlines(), []
+    for n, line in enumerate(text, 1):
+        if opening in line and not line.lstrip().startswith("#"):
+            depth, m = 0, n
+            while True:
+                code = text[m - 1].split("#")[0]
+                depth += code.count("(") + code.count("[") - code.count(")") - code.count("]")
+                out.append(f"{m}: {text[m - 1].strip()}")
+                if depth <= 0 or m == len(text):
+                    break
+                m += 1
+    return out
+
+
 def slot(notes: dict, section: str, key: str, what: str) -> str:
     """The student's own text from --notes, or a marked slot saying what to write there."""
     return notes.get(section, {}).get(key) or f"[you write: {what}]"
@@ -993,7 +1010,7 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
         )
         if rows
         else ("p", "_No run with more than one process._"),
-        code_block(code_lines("R1.8", "DDP(")),
+        code_block(statement_lines("= DDP(")),
         explain("gradient_sync"),
         ("h", "Demonstrate 4: aggregating metrics across ranks"),
         (
