@@ -92,8 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
         help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
         "(or set ACCELERATE_USE_CPU=1)",
     )
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="--device cpu: as --cpu")
     add_training_flags(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.cpu = args.cpu or args.device == "cpu"  # raw_ddp.py's flag works here too
+    return args
 
 
 def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.device]:

@@ -106,6 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
         default="auto",
         help="auto: CUDA when available, else CPU with a warning (default auto)",
     )
+    p.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="as --device cpu (accel_train.py's)")
     add_training_flags(p)
     p.set_defaults(launcher_store=False)
     return p.parse_args(argv)

@@ -44,6 +44,11 @@ def dataset_present(data_dir) -> bool:
 
 
 def how_to_provide(data_dir) -> str:
+    if (Path(data_dir) / TRAIN_FILES[0]).is_file():  # the batches folder itself was given
+        return (
+            f"CIFAR-10 is not in {dataset_folder(data_dir)}: {data_dir} holds {TRAIN_FILES[0]} itself, so it is the "
+            f"{FOLDER} folder; --data-dir takes the folder above it: --data-dir {Path(data_dir).resolve().parent}"
+        )
     return (
         f"CIFAR-10 is not in {dataset_folder(data_dir)}. Provide it in the official python layout "
         f"(cifar-10-batches-py/data_batch_1..5, test_batch): extract the official cifar-10-python.tar.gz into "

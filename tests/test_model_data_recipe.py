@@ -208,6 +208,25 @@ def test_dataset_normalises_and_augments():
     assert 30 < padded <= 50
 
 
+def test_a_data_dir_that_is_the_batches_folder_itself_names_its_parent(cifar_dir):
+    from cifar_wrn.data import load_splits
+
+    inner = cifar_dir / "cifar-10-batches-py"
+    *_, problem = load_splits(inner, 10, 10)
+    assert f"{inner} holds data_batch_1 itself" in problem and f"--data-dir {cifar_dir.resolve()}" in problem
+    assert "holds data_batch_1" not in load_splits(cifar_dir / "nothing", 10, 10)[2]
+
+
+def test_both_trainers_take_both_cpu_flags():
+    """raw_ddp.py's --device cpu and accel_train.py's --cpu each work in the other trainer too."""
+    import accel_train
+    import raw_ddp
+
+    assert raw_ddp.parse_args(["--cpu"]).device == "cpu" and raw_ddp.parse_args(["--device", "cpu"]).device == "cpu"
+    assert accel_train.parse_args(["--device", "cpu"]).cpu and accel_train.parse_args(["--cpu"]).cpu
+    assert not accel_train.parse_args([]).cpu and raw_ddp.parse_args([]).device == "auto"
+
+
 def batch_indices(loader) -> list[int]:
     """The dataset indices a loader of raw_ddp.build_data's deals, in order (its sampler's, no images loaded)."""
     batches = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler  # per image / on device

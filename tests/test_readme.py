@@ -106,3 +106,16 @@ def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folde
     for name in ("1 GPU", "2 GPUs"):  # both of the baseline runs the README's globs name, and not the fast one
         assert str(logs[name].parent.relative_to(folder)) in text, text
     assert str(logs["fast"].parent.relative_to(folder)) not in text
+
+
+def test_the_readmes_no_gpu_commands_run_as_written(student_folder):
+    """Both trainers' "No GPU?" commands, literally (tiny data appended): each trains on 2 CPU processes."""
+    folder, env = student_folder
+    for pattern in (r"^python raw_ddp\.py .*--device cpu", r"^accelerate launch .*two_cpus\.yaml accel_train\.py"):
+        command = the_command(pattern)
+        assert "--device cpu" in command
+        result = shell(f"{command} {shlex.join(TINY_RUN)}", folder, env)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr[-3000:]}"
+        assert "Epoch =  1:" in result.stdout and "Training Accuracy = " in result.stdout, result.stdout
+        log = folder / result.stdout.splitlines()[0].removeprefix("Run log: ")
+        assert '"world_size": 2' in log.read_text() and '"backend": "gloo"' in log.read_text()
