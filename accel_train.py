@@ -50,6 +50,7 @@ from cifar_wrn.checkpoint import (
     write_folder,
 )
 from cifar_wrn.cli import (
+    CPU_FALLBACK_WARNING,
     accelerate_launch_problem,
     add_training_flags,
     check_training_flags,
@@ -95,7 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="--device cpu: as --cpu")
     add_training_flags(p)
     args = p.parse_args(argv)
-    args.cpu = args.cpu or args.device == "cpu"  # raw_ddp.py's flag works here too
+    # raw_ddp.py's flag works here too; without CUDA, auto means the CPU after a warning, as in raw_ddp.py
+    args.cpu_fallback = args.device == "auto" and not args.cpu and not torch.cuda.is_available()
+    args.cpu = args.cpu or args.device == "cpu" or args.cpu_fallback
     return args
 
 
@@ -143,8 +146,8 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
     if device.type == "cpu":
         # the node's processes share its cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(accelerator.num_processes)))
-        if not (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU")):
-            accelerator.print("warning: CUDA is not available: running on the CPU", file=sys.stderr)
+        if args.cpu_fallback and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+            accelerator.print(CPU_FALLBACK_WARNING, file=sys.stderr)
         if warning := slow_bf16_warning(device.type, recipe.precision):
             accelerator.print(warning, file=sys.stderr)
         if recipe.sync_bn:
@@ -506,6 +509,8 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
         )
         recipe = dataclasses.replace(recipe, precision="bf16")
     check_launch(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
     if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()):
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return args, recipe

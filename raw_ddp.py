@@ -51,6 +51,7 @@ from cifar_wrn.checkpoint import (
     what_was_seen,
 )
 from cifar_wrn.cli import (
+    CPU_FALLBACK_WARNING,
     add_training_flags,
     check_launch,
     launched_by_torchrun,
@@ -486,7 +487,7 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
     node_main = os.environ.get("LOCAL_RANK", "0") == "0"
     if args.device == "auto":
         if cuda_count == 0 and node_main:
-            print("warning: CUDA is not available: running on the CPU with the gloo backend", file=sys.stderr)
+            print(CPU_FALLBACK_WARNING, file=sys.stderr)
         args.device = "cuda" if cuda_count else "cpu"
     if launched_by_torchrun():
         args.num_gpus = int(os.environ["LOCAL_WORLD_SIZE"])

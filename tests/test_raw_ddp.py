@@ -28,6 +28,7 @@ from conftest import (
 )
 
 import raw_ddp
+from cifar_wrn.cli import CPU_FALLBACK_WARNING
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate, exact_ratios
@@ -323,7 +324,7 @@ def test_first_run_without_data_reads_cleanly(tmp_path):
     assert result.returncode == 2 and result.stdout == "", result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 2, result.stderr
-    assert lines[0] == "warning: CUDA is not available: running on the CPU with the gloo backend"
+    assert lines[0] == CPU_FALLBACK_WARNING
     assert lines[1].startswith(f"error: ranks 0, 1: node 0: CIFAR-10 is not in {tmp_path / 'data'}/cifar-10-batches-py")
     assert "extract the official cifar-10-python.tar.gz into" in lines[1] and "CIFAR10_URL" in lines[1]
     assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in lines[1]

@@ -119,3 +119,22 @@ def test_the_readmes_no_gpu_commands_run_as_written(student_folder):
         assert "Epoch =  1:" in result.stdout and "Training Accuracy = " in result.stdout, result.stdout
         log = folder / result.stdout.splitlines()[0].removeprefix("Run log: ")
         assert '"world_size": 2' in log.read_text() and '"backend": "gloo"' in log.read_text()
+
+
+def test_without_cuda_both_main_commands_train_on_the_cpu_after_the_same_warning(student_folder):
+    """The README's 2-GPU command of each trainer, as written, on a machine without CUDA: both train on 2 CPU
+    processes after one warning that says so and how long an epoch takes there (accel_train.py refused before)."""
+    from cifar_wrn.cli import CPU_FALLBACK_WARNING
+
+    folder, env = student_folder
+    env = dict(env, CUDA_VISIBLE_DEVICES="")  # no GPU, whatever this machine has
+    for pattern, exclude in (
+        (r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe|--device"),
+        (r"two_gpus\.yaml", "$^"),
+    ):
+        command = the_command(pattern, exclude)
+        result = shell(f"{command} {shlex.join(TINY_RUN)}", folder, env)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr[-3000:]}"
+        assert result.stderr.count(CPU_FALLBACK_WARNING) == 1, result.stderr[-3000:]
+        log = folder / result.stdout.splitlines()[0].removeprefix("Run log: ")
+        assert '"world_size": 2' in log.read_text() and '"device": "cpu"' in log.read_text()
