@@ -373,7 +373,7 @@ def average_over_ranks(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()
     else:
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)  # R1.9
 
 
 def training_counts(progress: Progress, correct: torch.Tensor, step_end: int, recipe) -> dict:
