@@ -12,8 +12,8 @@
         --machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
         accel_train.py --data-dir data'
 
-    # 2 CPU processes (gloo): --cpu, or ACCELERATE_USE_CPU=1, is needed
-    accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --cpu --data-dir data \
+    # 2 CPU processes (gloo)
+    accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --device cpu --data-dir data \
         --train-subset 2000 --val-subset 1000 --epochs 2
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 accel_train.py ...
     python accel_train.py --data-dir data                                  # 1 process, no launcher
@@ -93,12 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:  # A1.1
         help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
         "(or set ACCELERATE_USE_CPU=1)",
     )
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="--device cpu: as --cpu")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as raw_ddp.py's")
     add_training_flags(p)
     args = p.parse_args(argv)
-    # raw_ddp.py's flag works here too; without CUDA, auto means the CPU after a warning, as in raw_ddp.py
+    # auto without CUDA: the CPU, after a warning (as raw_ddp.py)
     args.cpu_fallback = args.device == "auto" and not args.cpu and not torch.cuda.is_available()
-    args.cpu = args.cpu or args.device == "cpu" or args.cpu_fallback
+    args.cpu |= args.device == "cpu" or args.cpu_fallback
     return args
 
 
@@ -220,7 +220,7 @@ def build_model(args, recipe, accelerator, device):
 
 # ==== train
 @dataclasses.dataclass
-class TrainingRun:  # what a checkpoint holds besides the progress (the accelerator holds what it prepared)
+class TrainingRun:  # what a checkpoint holds besides the progress (and the accelerator's)
     rank: int
     world_size: int
     device: torch.device
@@ -316,7 +316,7 @@ def train_process(args: argparse.Namespace, recipe) -> None:
 
 
 def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoch_time: float, train_correct, show):
-    """The numbers of the course's epoch line, the same on every rank."""
+    """The course's epoch line's numbers."""
     accelerator, data, device = run.accelerator, run.data, run.device
     images_per_sec = torch.tensor(
         [data.steps_per_epoch * recipe.batch_size / epoch_time], dtype=torch.float64, device=device
@@ -361,8 +361,7 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
 
 
 def training_counts(accelerator, progress: Progress, correct: torch.Tensor, step_end: int, recipe) -> dict:
-    """This epoch's training images up to `step_end` over every rank, and how many the model got right (a
-    resumed checkpoint's part included): the course's training accuracy."""
+    """This epoch's training images to `step_end`, every rank's (a resumed part included), and those right."""
     images = (step_end - progress.step) * recipe.batch_size
     counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
     correct, images = accelerator.reduce(counts, reduction="sum").tolist()

@@ -377,8 +377,7 @@ def average_over_ranks(tensor: torch.Tensor) -> None:
 
 
 def training_counts(progress: Progress, correct: torch.Tensor, step_end: int, recipe) -> dict:
-    """This epoch's training images up to `step_end` over every rank, and how many the model got right (a
-    resumed checkpoint's part included): the course's training accuracy."""
+    """This epoch's training images to `step_end`, every rank's (a resumed part included), and those right."""
     images = (step_end - progress.step) * recipe.batch_size
     counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)

@@ -70,6 +70,8 @@ def why(exc: BaseException) -> str:
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
+    if "unexpected pos" in str(exc):  # torch.save's writer found its file cut short: the disk filled up under it
+        return "No space left on device, or the file system went away (torch.save: unexpected pos)"
     quoted = re.search(r"\(os error (\d+)\)", str(exc))
     if quoted:
         return os.strerror(int(quoted.group(1)))

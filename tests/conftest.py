@@ -573,6 +573,8 @@ ONE_STEP = [
     VAL_IMAGES,
     "--set",
     "lr_scaling=none",
+    "--set",
+    "momentum=0",  # plain SGD: the tests measure one step's own size (the baseline's momentum is 0.9)
 ]
 
 

@@ -224,7 +224,8 @@ def test_both_trainers_take_both_cpu_flags():
 
     assert raw_ddp.parse_args(["--cpu"]).device == "cpu" and raw_ddp.parse_args(["--device", "cpu"]).device == "cpu"
     assert accel_train.parse_args(["--device", "cpu"]).cpu and accel_train.parse_args(["--cpu"]).cpu
-    assert not accel_train.parse_args([]).cpu and raw_ddp.parse_args([]).device == "auto"
+    assert accel_train.parse_args([]).cpu == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
+    assert not accel_train.parse_args(["--device", "cuda"]).cpu and raw_ddp.parse_args([]).device == "auto"
 
 
 def batch_indices(loader) -> list[int]:

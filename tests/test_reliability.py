@@ -61,10 +61,11 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def checkpoint_bytes(width: int) -> int:
-    """About what one checkpoint of this width takes on disk (the weights; the baseline's SGD has no momentum)."""
-    buffer = io.BytesIO()
-    torch.save(WideResNet(width=width).state_dict(), buffer)
+def checkpoint_bytes(width: int, momentum: bool = False) -> int:
+    """About what one checkpoint of this width takes on disk: the weights, and with `momentum` the SGD momentum
+    buffers too (the baseline recipe's SGD has momentum 0.9, as the course script's)."""
+    model, buffer = WideResNet(width=width), io.BytesIO()
+    torch.save([model.state_dict(), [p.detach().clone() for p in model.parameters()] if momentum else []], buffer)
     return len(buffer.getvalue())
 
 
@@ -197,7 +198,7 @@ def test_resume_refusals(cifar_dir, tmp_path, resume_runs):
         2,
         *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume", "--set", "momentum=0.5"),
     )
-    assert other.returncode == 2 and "momentum (0.0 -> 0.5)" in other.stderr
+    assert other.returncode == 2 and "momentum (0.9 -> 0.5)" in other.stderr
     one_process = run_raw(*resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"), "--num-gpus", 1)
     assert one_process.returncode == 2 and "written by 2 processes, this run has 1" in one_process.stderr
 
@@ -210,7 +211,7 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
     the first checkpoint resumes."""
     from test_accel import CONFIGS, accelerate_launch
 
-    disk = small_disk(checkpoint_bytes(32) * 3 // 2)
+    disk = small_disk(checkpoint_bytes(32, momentum=True) * 3 // 2)
     # --dist-timeout 300: a rank left waiting for the one that failed would outlast the test's timeout
     small = [
         "--model-width",
