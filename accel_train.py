@@ -51,6 +51,7 @@ from cifar_wrn.checkpoint import (
 )
 from cifar_wrn.cli import (
     CPU_FALLBACK_WARNING,
+    NO_CUDA,
     accelerate_launch_problem,
     add_training_flags,
     check_training_flags,
@@ -509,7 +510,7 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
         recipe = dataclasses.replace(recipe, precision="bf16")
     check_launch(args)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
+        raise UserError(NO_CUDA)
     if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()):
         raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     return args, recipe

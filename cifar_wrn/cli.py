@@ -16,6 +16,7 @@ CPU_FALLBACK_WARNING = (
     "an hour on 2 cores (baseline recipe), so add --device cpu --train-subset 2000 --val-subset 1000 --epochs 2 "
     "for a short run"
 )
+NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or auto)"
 RECIPE_FLAGS = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience", "seed")
 
 
@@ -165,7 +166,7 @@ def check_launch(args, cuda_device_count: int) -> None:
     if args.num_gpus < 1:
         raise UserError(f"--num-gpus must be >= 1 (got {args.num_gpus})")
     if args.device == "cuda" and cuda_device_count == 0:
-        raise UserError("--device cuda, but CUDA is not available here (use --device cpu or auto)")
+        raise UserError(NO_CUDA)
     if args.device == "cuda" and args.num_gpus > cuda_device_count:
         raise UserError(f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)")
     check_training_flags(args, writes_outputs=args.node_id == 0)

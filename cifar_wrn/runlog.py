@@ -56,7 +56,9 @@ def criterion_met(accuracies: list, target: float, patience: int) -> bool:
 def trailing_streak(accuracies: list, target: float) -> int:
     """How many of the last accuracies in a row are >= target."""
     streak = 0
-    while streak < len(accuracies) and criterion_met(accuracies, target, streak + 1):
+    for accuracy in reversed(accuracies):
+        if accuracy < target:
+            break
         streak += 1
     return streak
 
