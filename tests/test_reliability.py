@@ -247,7 +247,7 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
     else:
         assert sorted(p.name for p in disk.iterdir()) == ["LATEST", "state-1"]  # the half-written folder removed
         assert read_training_state(disk / "state-1")["epoch"] == 1
-    small_disk(checkpoint_bytes(32) * 4)  # room again
+    small_disk(checkpoint_bytes(32, momentum=True) * 4)  # room again: the first checkpoint and the next
     resumed = launch("--epochs", 2, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming from" in resumed.stdout and ": epoch 2, step 0" in resumed.stdout
