@@ -789,6 +789,14 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
     assert lines.index(printed[0]) < lines.index(printed[1]) < lines.index(printed[2])
     assert "resumed at epoch 3 step 60 (log line 4)" in text
     flat = " ".join(text.split())
+    # the whole command on page 1 (the footer only points there); every figure of report.md not in the PDF named
+    assert f"Made by: python -m cifar_wrn.report {RUNS / 'h200-fast.jsonl'} {RUNS / 'fast8.jsonl'}" in flat
+    assert f"--pdf {pdf} --notes {notes}" in flat and flat.count("(the command: page 1)") == pages
+    shown = ("accuracy_vs_time.png", "topology_1x2_gloo_cpu.png")  # fast8's: the featured run (2 processes)
+    left_out = sorted(p.name for p in (tmp_path / "out").glob("*.png") if p.name not in shown)
+    assert left_out == ["images_per_sec.png", "topology_1x1_nccl_cuda.png"] and images == 2
+    assert f"Not in this PDF (the course's 4 pages), in {tmp_path / 'out'} with report.md: " in flat
+    assert all(name in flat.split("with report.md: ")[1][:300] for name in left_out), left_out
     assert "Cumulative Time at the criterion: 7560.028 s, after epoch 4" in flat
     # 3: a GPU run and a CPU run of other recipes: no speedup, and why
     for name in ("h200-fast", "fast8"):
@@ -1002,9 +1010,9 @@ def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch
     )
     assert built == [False, True]  # normal, then compact
     pages, _, images = pdf_text(pdf)
-    assert pages == 2 and images == 0  # --no-figures: the PDF says so instead
+    assert pages > 1 and images == 0  # --no-figures: the PDF says so instead
     assert (
-        f"wrote {pdf} (2 pages); warning: more than the course's 1: report fewer runs at a time"
+        f"wrote {pdf} ({pages} pages); warning: more than the course's 1: report fewer runs at a time"
         in capsys.readouterr().out
     )
 
@@ -1033,3 +1041,61 @@ def test_the_example_notes_file_is_accepted_and_fills_its_slots(logs, tmp_path):
         0
     ].read_text()
     assert f"[you write: {report.EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text
+
+
+def baseline_log(path, nodes, gpus, records, **recipe):
+    """A log of recipes/baseline.yaml as a trainer writes its header (the whole recipe), with `recipe` changed."""
+    from cifar_wrn.recipe import as_dict, load_recipe
+
+    return write_log(path, nodes, gpus, records, recipe={**as_dict(load_recipe("baseline")), **recipe})
+
+
+@pytest.mark.parametrize("smoke_first", [True, False])
+def test_the_featured_run_is_the_two_process_run_of_the_comparable_pair(tmp_path, smoke_first):
+    """A 1-epoch smoke run matched by the same glob as the reported pair is not featured, whatever the order of
+    the logs, though it met its own (patience 1) criterion; the report says which run and why."""
+    one = baseline_log(tmp_path / "baseline-1x1.jsonl", 1, 1, ONE, epochs=4)
+    two = baseline_log(tmp_path / "baseline-1x2.jsonl", 1, 2, TWO, epochs=4)
+    smoke = baseline_log(tmp_path / "baseline-1x2-smoke.jsonl", 1, 2, TWO[:1], epochs=1, patience=1)
+    paths = [smoke, one, two] if smoke_first else [one, two, smoke]
+    runs = [report.read_run(p) for p in paths]
+    report.label_runs(runs)
+    assert report.main_run(runs).path == two
+    assert report.featured_text(runs) == (
+        "The featured run (its epoch log and Demonstrate 6): `baseline-1x2`: 2 process(es), compared with a "
+        "1-process run of the same recipe, data, model and device, met the criterion; chosen over "
+        "`baseline-1x2-smoke` (no comparable 1-process run)."
+    )
+    assert report.main([*map(str, paths), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert report.featured_text(runs) in text
+    assert "The recipe keys where `baseline-1x2`'s recipe differs" in text or "`baseline-1x2` trained with" in text
+
+
+def test_a_run_length_cap_under_a_constant_schedule_is_no_optimisation(tmp_path):
+    """The baseline with --epochs 2: epochs only caps the run (constant LR), so Demonstrate 6 lists no optimisation
+    and says the baseline recipe is unchanged; where epochs sets a schedule it is one."""
+    capped = report.read_run(baseline_log(tmp_path / "capped.jsonl", 1, 2, TWO[:2], epochs=2, seed=3))
+    assert report.optimisations(capped) == []
+    assert report.recipe_changes(capped) == [("epochs", "40", "2"), ("seed", "0", "3")]
+    scheduled = report.read_run(
+        baseline_log(tmp_path / "scheduled.jsonl", 1, 2, TWO[:2], epochs=2, lr_schedule="warmup_linear")
+    )
+    assert report.optimisations(scheduled) == [("epochs", "40", "2"), ("lr_schedule", "constant", "warmup_linear")]
+    assert report.main([str(tmp_path / "capped.jsonl"), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
+    text = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert "None: `capped` trained with the baseline recipe, unchanged." in text
+    assert "| epochs |" not in text
+    assert "not what it computes): epochs 40 -> 2; seed 0 -> 3." in text
+
+
+@pytest.mark.slow  # pdf_content asks git for the commit
+def test_pdf_text_is_left_aligned_never_justified(tmp_path, monkeypatch):
+    """fpdf2's multi_cell justifies by default, which spread the title paragraph with wide gaps."""
+    fpdf = pytest.importorskip("fpdf")
+    aligns, multi_cell = [], fpdf.FPDF.multi_cell
+    record = lambda self, *a, **k: aligns.append(str(k.get("align", "J"))) or multi_cell(self, *a, **k)
+    monkeypatch.setattr(fpdf.FPDF, "multi_cell", record)
+    out = [str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(tmp_path / "r.pdf")]
+    assert report.main(out) == 0
+    assert aligns and not [a for a in aligns if a.upper() not in ("L", "ALIGN.L", "LEFT")], sorted(set(aligns))

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1055,15 +1056,30 @@ def demonstrate(runs: list[Run], sc: "Scaling", notes: dict, compare: list[tuple
     run = main_run(runs)
     changes = optimisations(run)
     out += [
-        ("p", f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml:"),
         (
-            "table",
-            ["recipe key", "baseline", "used", "why"],
-            [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes],
-        )
-        if changes
-        else ("p", "None: the run used the baseline recipe."),
+            "p",
+            f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml in what it computes:"
+            if changes
+            else f"None: `{run.label}` trained with the baseline recipe, unchanged.",
+        ),
     ]
+    if changes:
+        out.append(
+            (
+                "table",
+                ["recipe key", "baseline", "used", "why"],
+                [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes],
+            )
+        )
+    other = [c for c in recipe_changes(run) if c not in changes]
+    if other:
+        out.append(
+            (
+                "p",
+                "Not optimisations (they set how long the run goes, when it stops or its random seed, not what "
+                "it computes): " + "; ".join(f"{key} {base} -> {used}" for key, base, used in other) + ".",
+            )
+        )
     for before, after in compare:
         out += compare_blocks(before, after)
     if not compare:
@@ -1161,6 +1177,7 @@ def pdf_content(runs: list[Run], notes: dict, compare: list) -> SimpleNamespace:
     return SimpleNamespace(
         runs=runs,
         run=run,
+        featured=featured_text(runs) or f"The run shown in sections 2 and 4: `{run.label}`.",
         printed=printed_lines(run),
         criterion=criterion_text(run),
         steps=steps_table(notes)[1],
@@ -1216,15 +1233,49 @@ def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
     return {section: {key: " ".join(text.split()) for key, text in entries.items()} for section, entries in raw.items()}
 
 
+def _standing(run: Run, runs: list[Run]) -> tuple[bool, bool, bool]:
+    """What makes a run the one to feature: 2 processes, a comparable 1-process run among `runs` (the pair
+    the scaling table compares), the criterion met."""
+    paired = run.world_size > 1 and any(s.world_size == 1 and not differences([s, run]) for s in runs)
+    return run.world_size == 2, paired, time_to_target(run.epochs, *run.rules) is not None
+
+
 def main_run(runs: list[Run]) -> Run:
-    """The run whose epoch log the course asks for: a 2-process one (one that met the criterion, if any),
-    else the one with the most processes; the first given among equals."""
+    """The run whose epoch log and recipe the report features: a 2-process run with a comparable 1-process
+    run, one that met the criterion, then the most processes and epochs; the same whatever the order of the
+    logs on the command line (the last tie goes to the path's name)."""
+    order = lambda r: (_standing(r, runs), r.world_size if r.world_size != 2 else 0, len(r.epochs))
+    best = max(order(r) for r in runs)
+    return min((r for r in runs if order(r) == best), key=lambda r: str(r.path))
 
-    def rank(r):
-        met = time_to_target(r.epochs, *r.rules) is not None
-        return (r.world_size == 2, r.world_size if r.world_size != 2 else 0, met)
 
-    return max(runs, key=rank)  # max keeps the first of equal keys
+def featured_text(runs: list[Run]) -> str:
+    """Which run the report features and why, and why not each other 2-process run (empty with one run)."""
+    run = main_run(runs)
+    if len(runs) == 1:
+        return ""
+    two, paired, met = _standing(run, runs)
+    why = [f"{run.world_size} process(es)"]
+    why += ["compared with a 1-process run of the same recipe, data, model and device"] if paired else []
+    why += ["met the criterion"] if met else ["did not meet the criterion"]
+    others = []
+    for other in runs:
+        if other is run or other.world_size != run.world_size:
+            continue
+        _, other_paired, other_met = _standing(other, runs)
+        if paired and not other_paired:
+            others.append(f"`{other.label}` (no comparable 1-process run)")
+        elif met and not other_met:
+            others.append(f"`{other.label}` (did not meet the criterion)")
+        elif len(other.epochs) < len(run.epochs):
+            others.append(f"`{other.label}` (fewer epochs)")
+        else:
+            others.append(f"`{other.label}` (equal standing: the first by path)")
+    return (
+        f"The featured run (its epoch log and Demonstrate 6): `{run.label}`: {', '.join(why)}"
+        + (f"; chosen over {', '.join(others)}" if others else "")
+        + "."
+    )
 
 
 def printed_lines(run: Run) -> list[str]:
@@ -1262,7 +1313,11 @@ def criterion_text(run: Run) -> str:
     )
 
 
-def optimisations(run: Run) -> list[tuple[str, str, str]]:
+# How long a run goes and when it stops, not what it computes: listed apart from the optimisations.
+RUN_LENGTH = ("epochs", "extra_epochs", "target_accuracy", "patience", "seed")
+
+
+def recipe_changes(run: Run) -> list[tuple[str, str, str]]:
     """(recipe key, baseline value, value used) for each key where the run's recipe differs from
     recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
     from ..recipe import as_dict, load_recipe
@@ -1275,6 +1330,13 @@ def optimisations(run: Run) -> list[tuple[str, str, str]]:
         for key in used
         if baseline.get(key, object()) != used[key]
     ]
+
+
+def optimisations(run: Run) -> list[tuple[str, str, str]]:
+    """The recipe changes that change the training computation; `epochs` among them only where it sets a
+    schedule (under a constant one it only caps the run)."""
+    schedule = full_recipe(run.recipe).get("lr_schedule") != "constant"
+    return [c for c in recipe_changes(run) if c[0] not in RUN_LENGTH or (c[0] == "epochs" and schedule)]
 
 
 # ============================================================================ figures
@@ -1559,6 +1621,8 @@ def write_report(
         f"{len(runs)} run(s): " + ", ".join(f"`{r.label}` ({r.path})" for r in runs) + ".",
         "",
     ]
+    if len(runs) > 1:
+        lines += [featured_text(runs), ""]
     if mpl:
         lines += [
             "Figures: [accuracy against time](accuracy_vs_time.png), [images/sec](images_per_sec.png)"
@@ -1688,9 +1752,11 @@ def main(argv=None) -> int:
             pages = write_pdf(
                 pdf_content(runs, notes, compare),
                 args.pdf,
-                {k: v for k, v in shown.items() if v in figures},
+                {k: v for k, v in shown.items() if v in figures}
+                | {"others": [f for f in figures if f not in shown.values()]},
                 skipped,
                 args.caption,
+                "python -m cifar_wrn.report " + shlex.join(sys.argv[1:] if argv is None else map(str, argv)),
             )
             print(
                 f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})"

@@ -65,14 +65,14 @@ class Layout:
         self.topology_w = 66 if compact else 74  # topology figure width, mm
 
 
-def _document(FPDF, sources: str):
+def _document(FPDF):
     class Report(FPDF):
         def footer(self):
             self.set_y(-10)
             self.set_font("Helvetica", "", 7)
             self.set_text_color(*GREY)
             self.cell(
-                0, 4, latin1(f"python -m cifar_wrn.report {sources}  |  page {self.page_no()} of {{nb}}"), align="C"
+                0, 4, f"python -m cifar_wrn.report (the command: page 1)  |  page {self.page_no()} of {{nb}}", align="C"
             )
 
     pdf = Report(format="A4", unit="mm")
@@ -90,14 +90,14 @@ def _heading(pdf, text: str) -> None:
     pdf.ln(2)
     pdf.set_font("Helvetica", "B", 11.5)
     pdf.set_text_color(*DARK)
-    pdf.multi_cell(0, 6, latin1(text), new_x="LMARGIN", new_y="NEXT")
+    pdf.multi_cell(0, 6, latin1(text), new_x="LMARGIN", new_y="NEXT", align="L")
     pdf.ln(0.5)
 
 
 def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -> None:
     pdf.set_font("Helvetica", style, size or lay.body)
     pdf.set_text_color(*color)
-    pdf.multi_cell(0, lay.line, latin1(text), new_x="LMARGIN", new_y="NEXT")
+    pdf.multi_cell(0, lay.line, latin1(text), new_x="LMARGIN", new_y="NEXT", align="L")  # not justified: no wide gaps
 
 
 def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: float | None = None) -> None:
@@ -169,8 +169,10 @@ def _resume_note(pdf, lay: Layout, segment) -> None:
     )
 
 
-def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, skipped: str | None) -> None:
-    """The accuracy figure and the topology diagram side by side, on a new page if they do not fit."""
+def _figures(pdf, lay: Layout, figures: dict, skipped: str | None) -> None:
+    """The accuracy figure and the topology diagram side by side, on a new page if they do not fit; the
+    figures report.md has besides them named, with where they are."""
+    accuracy, topology, others = figures.get("accuracy"), figures.get("topology"), figures.get("others", [])
     if skipped or not (accuracy or topology):
         _text(pdf, lay, f"Figures skipped: {skipped or 'no epoch records'}.", "I", RED)
         return
@@ -189,6 +191,16 @@ def _figures(pdf, lay: Layout, accuracy: Path | None, topology: Path | None, ski
         pdf.image(str(path), x=x, y=y + (height - h) / 2, w=width)
         x += width + 4
     pdf.set_y(y + height + 2)
+    if others:
+        folder = others[0].parent
+        names = ", ".join(path.name for path in others)
+        _text(
+            pdf,
+            lay,
+            f"Not in this PDF (the course's {MAX_PAGES} pages), in {folder} with report.md: {names}.",
+            "I",
+            GREY,
+        )
 
 
 def _code(pdf, lines: list[str]) -> None:
@@ -226,11 +238,11 @@ def _plain(markdown: str) -> str:
     return markdown.replace("**", "").replace("`", "")
 
 
-def build(content, figures: dict, skipped: str | None, compact: bool, sources: str, caption: str | None = None):
+def build(content, figures: dict, skipped: str | None, compact: bool, command: str, caption: str | None = None):
     """The whole document (an FPDF object, not yet written), from the texts and tables of pdf_content."""
     FPDF = load_fpdf()
     lay = Layout(compact)
-    pdf = _document(FPDF, sources)
+    pdf = _document(FPDF)
     runs, run = content.runs, content.run
     cuda = run.header["device"] == "cuda"
     who = "two-GPU" if run.world_size == 2 and cuda else f"{run.world_size}-process ({run.header['device']})"
@@ -238,14 +250,18 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
     pdf.set_font("Helvetica", "B", 14)
     pdf.set_text_color(*DARK)
     pdf.multi_cell(
-        0, 7, "Distributed data-parallel training of a WideResNet on CIFAR-10: report", new_x="LMARGIN", new_y="NEXT"
+        0,
+        7,
+        "Distributed data-parallel training of a WideResNet on CIFAR-10: report",
+        new_x="LMARGIN",
+        new_y="NEXT",
+        align="L",
     )
+    _text(pdf, lay, f"Made by: {command}", color=GREY, size=lay.table)
     _text(
         pdf,
         lay,
-        "From the run logs "
-        + ", ".join(f"{r.label} ({r.path})" for r in runs)
-        + f". The run shown in sections 2 and 4: {run.label}.",
+        "From the run logs " + ", ".join(f"{r.label} ({r.path})" for r in runs) + ". " + _plain(content.featured),
         color=GREY,
     )
     if caption:
@@ -296,21 +312,20 @@ def build(content, figures: dict, skipped: str | None, compact: bool, sources: s
         if line.startswith("- "):
             _text(pdf, lay, "- " + _plain(line[2:]), size=lay.table + 0.5)
     pdf.ln(1.5)
-    _figures(pdf, lay, figures.get("accuracy"), figures.get("topology"), skipped)
+    _figures(pdf, lay, figures, skipped)
 
     _blocks(pdf, lay, content.demonstrate)
     return pdf
 
 
-def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | None = None) -> int:
+def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | None = None, command: str = "") -> int:
     """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
-    the normal need more than MAX_PAGES (many runs, many recipe changes)."""
+    the normal need more than MAX_PAGES (many runs, many recipe changes). `command`: what made it, shown in
+    full on page 1."""
     path = Path(path)
-    sources = " ".join(str(r.path) for r in content.runs)
+    command = command or "python -m cifar_wrn.report " + " ".join(str(r.path) for r in content.runs)
     for compact in (False, True):
-        pdf = build(
-            content, figures, skipped, compact, latin1(sources if len(sources) < 90 else sources[:87] + "..."), caption
-        )
+        pdf = build(content, figures, skipped, compact, latin1(command), caption)
         if pdf.page_no() <= MAX_PAGES:
             break
     try:
