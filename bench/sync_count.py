@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from cifar_wrn.cli import free_port  # noqa: E402
+from cifar_wrn.data import SkipFirst  # noqa: E402
 from cifar_wrn.ema import build_ema  # noqa: E402
 from cifar_wrn.errors import UserError  # noqa: E402
 from cifar_wrn.model import WideResNet, init_residual_bn  # noqa: E402
@@ -83,7 +84,9 @@ def training_step(recipe, device, model_width: int):
         channels_last=recipe.channels_last,
         crop_padding=recipe.crop_padding,
     )
-    loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), recipe.batch_size, True))
+    # as raw_ddp.py's: the epoch's batches go to the device in one copy (SkipFirst over a DistributedSampler)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=recipe.seed)
+    loader = DataLoader(data, batch_size=None, sampler=SkipFirst(BatchSampler(sampler, recipe.batch_size, True)))
     steps_per_epoch = len(loader)
     _, optimizer, scheduler, criterion = build_training(raw_model, recipe, recipe.batch_size, steps_per_epoch)
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")

@@ -277,16 +277,22 @@ class CIFAR10(Dataset):
 
 
 class SkipFirst(Sampler):
-    """A BatchSampler less its first `skip` batches: a mid-epoch resume gets exactly the remaining ones."""
+    """A BatchSampler less its first `skip` batches: a mid-epoch resume gets exactly the remaining ones. Over
+    DeviceBatches, the epoch's batches go to the device in one copy and come out as rows of it: a copy of each
+    step's list would make the host wait for the GPU every step."""
 
     def __init__(self, batches):
         self.batches, self.skip = batches, 0
 
     def __iter__(self):
-        sampler = getattr(self.batches, "sampler", None)  # alternating flips need the epoch
-        if hasattr(getattr(sampler, "dataset", None), "epoch"):  # DeviceBatches
-            sampler.dataset.epoch = getattr(sampler, "epoch", 0)
-        return itertools.islice(iter(self.batches), self.skip, None)
+        sampler = getattr(self.batches, "sampler", None)
+        dataset = getattr(sampler, "dataset", None)
+        remaining = itertools.islice(iter(self.batches), self.skip, None)
+        if not hasattr(dataset, "epoch"):
+            return remaining
+        dataset.epoch = getattr(sampler, "epoch", 0)  # DeviceBatches: alternating flips need the epoch
+        batches = list(remaining)  # drop_last: all of one size
+        return iter(torch.tensor(batches, device=dataset.device) if batches else [])
 
     def __len__(self) -> int:
         return len(self.batches) - self.skip

@@ -1,5 +1,6 @@
 """EMA of the weights, decay min(d, (1 + n) / (10 + n)): a fixed d would keep d**n of the random init."""
 
+import numpy
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, update_bn
@@ -26,8 +27,9 @@ class WarmedUpEMA(AveragedModel):
         if self.updates == 0:
             torch._foreach_copy_(averaged, current)
         else:
-            # on a CPU tensor, in float32 as a device-side decay would be, without waiting for the GPU
-            weight = (1 - warmed_up_decay(self.decay, torch.tensor(float(self.updates)))).item()
+            # in float32 as a device-side decay would be, on the host: no tensor to read back
+            n, one = numpy.float32(self.updates), numpy.float32(1)
+            weight = float(one - min(numpy.float32(self.decay), (one + n) / (numpy.float32(10) + n)))
             pairs = list(zip(averaged, current))
             floats = [pair for pair in pairs if torch.is_floating_point(pair[0])]
             counters = [pair for pair in pairs if not torch.is_floating_point(pair[0])]

@@ -1,5 +1,6 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 
+import json
 import re
 import sys
 from dataclasses import replace
@@ -11,6 +12,7 @@ from conftest import (
     EVERY_OPTION,
     FAST_2_EPOCHS,
     ONE_STEP,
+    REPO,
     TINY,
     TRAIN_IMAGES,
     VAL_IMAGES,
@@ -18,9 +20,13 @@ from conftest import (
     check_metrics_of_saved_weights,
     check_residual_bn_init,
     check_slow_bf16_warning,
+    cpu_env,
     data_flags,
+    finish,
     parameter_distance,
+    pythonpath_with,
     run,
+    start,
 )
 from conftest import (
     raw_ddp as run_raw,
@@ -366,3 +372,41 @@ def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
     assert len(seen) == 2 and torch.equal(seen[0], net[1].running_mean) and not net.training
     recalibrate_bn(net, batches, dict(device_type="cpu", enabled=False), lambda stat: stat.add_(100))
     torch.testing.assert_close(net[1].running_mean, torch.stack([f.mean(1) for f in features]).mean(0) + 100)
+
+
+@pytest.mark.parametrize("trainer", ["raw_ddp.py", "accel_train.py"])
+def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tmp_path, trainer):
+    """Every read of a tensor's value on the host and every tensor built from host data is counted in each process
+    (tests/host_reads/sitecustomize.py: on a GPU each makes the host wait for the device queue). Inside the
+    training loop of the fast recipe, 2 epochs of 20 steps per rank, only StepGuard's agreements read on steps (by
+    design, at most every 10th step and at an epoch's end: a stop signal must be seen); the rest happens once an
+    epoch, as the loader starts (on the CPU its seed and shuffle are read there, on the host), and the epoch's
+    batch indices go to the device in one copy."""
+    from test_accel import CONFIGS, accel_env, accelerate_command
+
+    source = (REPO / trainer).read_text().splitlines()
+    first = next(n for n, line in enumerate(source, 1) if line.lstrip().startswith("for step, (images, labels) in"))
+    last = next(n for n, line in enumerate(source, 1) if n > first and line.strip() == "bar.close()")
+    env = accel_env() if trainer == "accel_train.py" else cpu_env()
+    env |= {
+        "PYTHONPATH": pythonpath_with(REPO / "tests" / "host_reads", REPO, env=env),
+        "HOST_READS_DIR": str(tmp_path),
+        "HOST_READS_LOOP": f"{trainer}:{first}-{last - 1}",
+    }
+    flags = [*data_flags(cifar_dir), "--model-width", 4, "--recipe", "fast", "--batch-size", 8, "--epochs", 2]
+    flags += ["--set", "extra_epochs=0", "--set", "eval_batch_size=64", "--progress", "off"]
+    if trainer == "raw_ddp.py":
+        command = [sys.executable, "raw_ddp.py", "--num-gpus", 2, "--device", "cpu", *flags]
+    else:
+        command = accelerate_command(CONFIGS / "two_cpus.yaml", "--cpu", *flags)
+    result = finish(start(command, env=env), 240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = 2 * TRAIN_IMAGES // (2 * 8)  # per rank: 2 epochs of 20
+    ranks = [c for c in (json.loads(p.read_text()) for p in tmp_path.glob("*.json")) if c["step"] or c["other"]]
+    in_step = [c["step"] for c in ranks if any(key.startswith(trainer) for key in c["other"])]
+    assert len(in_step) == 2, ranks  # the two ranks (the launcher never enters the loop)
+    for counts in in_step:
+        guard = {key: n for key, n in counts.items() if key.startswith("cifar_wrn/resilience.py") and "tolist" in key}
+        per_epoch = {key: n for key, n in counts.items() if key not in guard}  # the loader's start, the copy
+        assert sum(guard.values()) < steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
+        assert [n for key, n in counts.items() if key.startswith("cifar_wrn/data.py") and "torch.tensor" in key] == [2]

@@ -253,7 +253,7 @@ def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch,
     for epoch in (0, 1):
         for data in ranks:
             data.train_sampler.set_epoch(epoch)
-        shards = [[i for batch in data.train_batches for i in batch] for data in ranks]
+        shards = [[int(i) for batch in data.train_batches for i in batch] for data in ranks]  # device: tensor rows
         assert [len(shard) for shard in shards] == [data.steps_per_epoch * 32 for data in ranks] == [160, 160]
         assert not set(shards[0]) & set(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(TRAIN_IMAGES))
         orders.append(shards)
@@ -609,3 +609,24 @@ def test_loader_workers_survive_a_stop_signal():
     bare = torch.utils.data.DataLoader(SignalsItself(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
     with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
         list(bare)  # without it the worker dies: the test can fail
+
+
+def test_the_fused_sgd_update_equals_the_per_tensor_loop():
+    """build_optimizer fuses the update on a GPU; with the fast recipe's groups (weight decay on kernels only, a
+    scaled LR for BatchNorm, Nesterov momentum), 5 steps of the fused and the looped update agree to rounding."""
+    recipe = load_recipe("fast")
+    models = [WideResNet(width=4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = [p.detach().clone() for p in models[0].parameters()]
+    optimizers = [build_optimizer(m, recipe, lr=0.2, fused=fused) for m, fused in zip(models, (True, False))]
+    assert optimizers[0].defaults["fused"] and not optimizers[1].defaults["fused"]
+    for step in range(5):
+        images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+        for model, optimizer in zip(models, optimizers):
+            torch.manual_seed(step)  # the same dropout masks
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # rounding, compounded over 5 steps
+    assert all(not torch.equal(a, b) for a, b in zip(models[0].parameters(), start))  # every parameter moved
