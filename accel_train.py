@@ -80,24 +80,23 @@ from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synch
 from cifar_wrn.recipe import as_dict, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
+from cifar_wrn.startup import warm_up
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
     p = argparse.ArgumentParser(
-        description="Accelerate training of the course WideResNet on CIFAR-10. The number of "
-        "processes, nodes and the mixed precision come from the launcher "
-        "(accelerate launch --config_file accelerate_configs/<X>.yaml)."
+        description="Accelerate training of the course WideResNet on CIFAR-10; processes, nodes and mixed "
+        "precision come from the launcher's config (accelerate_configs/)."
     )
     p.add_argument(
         "--cpu",
         action="store_true",
-        help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes "
-        "(or set ACCELERATE_USE_CPU=1)",
+        help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes",
     )
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as raw_ddp.py's")
     add_training_flags(p)
     args = p.parse_args(argv)
-    # auto without CUDA: the CPU, after a warning (as raw_ddp.py)
+    # auto without CUDA: the CPU, after a warning
     args.cpu_fallback = args.device == "auto" and not args.cpu and not torch.cuda.is_available()
     args.cpu |= args.device == "cpu" or args.cpu_fallback
     return args
@@ -246,7 +245,9 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         run = TrainingRun(rank, world_size, device, accelerator, raw_model, eval_model, data)
         if (progress := resume(args, recipe, run)) is None:
             return
-        log = open_log(args, recipe, run, lr, progress)
+        # before the clock, then undone; DDP all-reduces in it
+        startup = warm_up(model, raw_model, eval_model, optimizer, scheduler, criterion, recipe, device, autocast)
+        log = open_log(args, recipe, run, lr, progress, startup)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
         done, images, labels = False, None, None
@@ -311,8 +312,8 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             accelerator.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
-        model = None  # DDP sits in a reference cycle holding the group: collected now, its threads end before the exit
-        accelerator.free_memory()  # drops Accelerate's references too, then collects
+        model = None  # DDP's reference cycle holds the group: freed now, before the exit
+        accelerator.free_memory()
         accelerator.end_training()  # A1.3
 
 
@@ -330,7 +331,7 @@ def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoc
         "cumulative_time": progress.cumulative_time,
         "epoch_time": epoch_time,
         "images_per_sec": images_per_sec.item(),
-        "train_accuracy": train["train_correct"] / train["train_seen"],  # every rank's images, in train mode
+        "train_accuracy": train["train_correct"] / train["train_seen"],
         **train,
         "val_loss": val_loss,
         "val_accuracy": val_accuracy,
@@ -390,7 +391,7 @@ def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -
     )
 
 
-def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
+def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress, startup: float) -> JsonLog:
     accelerator = run.accelerator
     per_node = local_world_size(accelerator.num_processes)
     num_nodes = accelerator.num_processes // per_node
@@ -405,6 +406,7 @@ def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> J
         lr=lr,
         world_size=accelerator.num_processes,
         model_width=args.model_width,
+        startup_seconds=startup,
         num_gpus=per_node,
         num_nodes=num_nodes,
         backend=accelerator.state.backend or "none",

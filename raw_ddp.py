@@ -78,6 +78,7 @@ from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synch
 from cifar_wrn.recipe import as_dict, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
+from cifar_wrn.startup import warm_up
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # R1.1
@@ -255,7 +256,9 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         run = TrainingRun(rank, world_size, device, raw_model, eval_model, optimizer, scheduler, data)
         if (progress := resume(args, recipe, run)) is None:
             return
-        log = open_log(args, recipe, run, lr, progress)
+        # before the clock, then undone: kernels, autotuning, DDP's buckets; DDP all-reduces in it
+        startup = warm_up(model, raw_model, eval_model, optimizer, scheduler, criterion, recipe, device, autocast)
+        log = open_log(args, recipe, run, lr, progress, startup)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
         done, images, labels = False, None, None
@@ -394,7 +397,7 @@ def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -
     )
 
 
-def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> JsonLog:
+def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress, startup: float) -> JsonLog:
     layout = f"{args.num_nodes}x{args.num_gpus}"
     path = run_log_path(args.log_json, args.recipe, layout) if run.rank == 0 else None
     return open_run_log(
@@ -406,6 +409,7 @@ def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress) -> J
         lr=lr,
         world_size=run.world_size,
         model_width=args.model_width,
+        startup_seconds=startup,
         num_nodes=args.num_nodes,
         num_gpus=args.num_gpus,
         backend=dist.get_backend(),

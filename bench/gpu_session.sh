@@ -6,7 +6,9 @@
 #      ten seeds, and the only epoch times of this session that are a measurement (the time-to-target row);
 #   2. sync_count: host synchronisations per training step of fast.yaml, by phase and source line
 #      (bench/sync_count.py, torch.cuda.set_sync_debug_mode("warn")); the EMA's row should read 0 since
-#      cifar_wrn/ema.py keeps its counter on the host;
+#      cifar_wrn/ema.py keeps its counter on the host, and the data row too since the epoch's indices go to the
+#      GPU in one copy (issue #44);
+#   2b. startup: epoch 1 against epoch 2 with and without fast.yaml's start-up warm-up (bench/startup.py, issue #44);
 #   3. sweep: one bench/gpu_sweep.sh call, four runs at a time (accuracy only; sharing the GPU changes no
 #      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 25's levers at
 #      seeds 0-2 (bench/levers-25.txt, seed by seed); lines past the deadline are not started;
@@ -14,8 +16,9 @@
 #      the reference) per epoch with mean / min / max / std and the criterion count, then each lever apart.
 # Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
 # 46-59 s with start-up; docs/runs/h200-sweep-2026-12-01/session-*.log: four at a time, 27 runs in 522 s, a run
-# every ~19 s): data ~15 s, fast_alone ~60 s, sync_count ~30 s, then the sweep gets ~410 s: 9 seeds and the
-# 12 first lever lines (21 runs, ~400 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
+# every ~19 s): data ~15 s, fast_alone ~60 s, sync_count ~30 s, startup ~70 s
+# (two 2-epoch runs with start-up), then the sweep gets ~340 s: 9 seeds and the
+# first 9 lever lines (18 runs, ~340 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
 #
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_session.sh 1a2b3c4 DATA   # there (device run, timeout_s 600), with that commit and the data
@@ -66,6 +69,8 @@ fi
 step fast_alone 100 python3 bench/time_to_target.py --data-dir "$DATA" --num-gpus 1 --recipe fast \
     --set batch_size=256 --keep-log "$STAGE/$RUN/fast-seed-0-alone.jsonl"
 step sync_count 60 bash -c "set -o pipefail; python3 bench/sync_count.py --set batch_size=256 | tee '$STAGE/$RUN/sync_count.md'"
+step startup 100 bash -c "set -o pipefail; python3 bench/startup.py --data-dir '$DATA' --num-gpus 1 --device cuda \
+    --train-subset 50000 --rounds 1 --set batch_size=256 | tee '$STAGE/$RUN/startup.md'"
 
 levers="$STAGE/levers.txt"
 python3 bench/seeds.py --seeds 9 --first 1 --emit > "$levers"

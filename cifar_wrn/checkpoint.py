@@ -22,7 +22,15 @@ from .recipe import Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
 # Recipe keys a resume may change: they do not alter what was trained (`epochs` only with a constant LR).
-RESUMABLE_CHANGES = {"epochs", "target_accuracy", "patience", "eval_batch_size", "num_workers", "extra_epochs"}
+RESUMABLE_CHANGES = {
+    "epochs",
+    "target_accuracy",
+    "patience",
+    "eval_batch_size",
+    "num_workers",
+    "extra_epochs",
+    "startup_steps",
+}
 
 
 class CheckpointError(UserError):

@@ -44,6 +44,7 @@ class Recipe:
     precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 weights)
     channels_last: bool = False  # NHWC layout
     cudnn_benchmark: bool = False
+    startup_steps: int = 0  # steps on synthetic batches before the clock, all undone after (0 = off)
     data_pipeline: str = "dataloader"  # dataloader | device (whole dataset on device)
     augment: bool = True  # augment the training images (as `augmentation` says)
     augmentation: str = "crop_flip"  # crop_flip (random crop + flip) | course (the course script's transform_train)
@@ -187,6 +188,8 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"bn_lr_scale must be a positive number (got {r.bn_lr_scale})")
     if not 0 <= r.crop_padding <= 16:
         problems.append(f"crop_padding must be in 0..16 pixels (got {r.crop_padding}; 0 = flips only)")
+    if r.startup_steps < 0:
+        problems.append(f"startup_steps is a number of warm-up steps, >= 0 (got {r.startup_steps}; 0 = off)")
     if r.bn_recalibration < 0:
         problems.append(f"bn_recalibration is a number of training images, >= 0 (got {r.bn_recalibration}; 0 = off)")
     if not 0 <= r.tta_translate <= 8:

@@ -410,3 +410,30 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
         per_epoch = {key: n for key, n in counts.items() if key not in guard}  # the loader's start, the copy
         assert sum(guard.values()) < steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
         assert [n for key, n in counts.items() if key.startswith("cifar_wrn/data.py") and "torch.tensor" in key] == [2]
+
+
+@pytest.mark.parametrize("trainer", ["raw_ddp.py", "accel_train.py"])
+def test_the_startup_warm_up_changes_nothing_that_is_trained(cifar_dir, tmp_path, trainer):
+    """startup_steps (on in fast.yaml): 3 steps and a validation batch on random tensors before the clock, then
+    every state restored. Without and with it, 2 processes train the same epoch: the saved weights are bit for bit
+    equal, and so are the epoch's training and validation numbers; the header records the warm-up's seconds."""
+    from test_accel import CONFIGS, accel_env, accelerate_command
+
+    flags = [*data_flags(cifar_dir), "--model-width", 4, "--recipe", "fast", "--batch-size", 8, "--epochs", 1]
+    flags += ["--set", "extra_epochs=0", "--set", "eval_batch_size=64", "--progress", "off"]
+    runs = []
+    for steps in (0, 3):
+        out = tmp_path / str(steps)
+        out.mkdir()
+        extra = [*flags, "--set", f"startup_steps={steps}", "--save", out / "w.pt", "--log-json", out / "l.jsonl"]
+        if trainer == "raw_ddp.py":
+            result = run_raw("--num-gpus", 2, "--device", "cpu", *extra, timeout=240)
+        else:
+            result = finish(start(accelerate_command(CONFIGS / "two_cpus.yaml", "--cpu", *extra), env=accel_env()), 240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append((torch.load(out / "w.pt"), *read_log(out / "l.jsonl")))
+    (cold, cold_header, cold_epochs), (warm, warm_header, warm_epochs) = runs
+    assert cold.keys() == warm.keys() and all(torch.equal(cold[k], warm[k]) for k in cold)
+    numbers = lambda epochs: [(e["train_correct"], e["val_loss"], e["val_accuracy"]) for e in epochs]
+    assert numbers(cold_epochs) == numbers(warm_epochs) and len(cold_epochs) == 1
+    assert cold_header["startup_seconds"] == 0 and warm_header["startup_seconds"] > 0

@@ -1099,3 +1099,12 @@ def test_pdf_text_is_left_aligned_never_justified(tmp_path, monkeypatch):
     out = [str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(tmp_path / "r.pdf")]
     assert report.main(out) == 0
     assert aligns and not [a for a in aligns if a.upper() not in ("L", "ALIGN.L", "LEFT")], sorted(set(aligns))
+
+
+def test_the_startup_warm_up_is_listed_with_its_cost(tmp_path):
+    """Demonstrate 6 lists startup_steps (fast.yaml's warm-up before the clock) with the seconds its header logged."""
+    log = baseline_log(tmp_path / "warm.jsonl", 1, 2, TWO[:2], epochs=2, lr_schedule="warmup_linear", startup_steps=3)
+    records = log.read_text().splitlines()
+    log.write_text("\n".join([json.dumps({**json.loads(records[0]), "startup_seconds": 1.734}), *records[1:]]) + "\n")
+    listed = report.optimisations(report.read_run(log))
+    assert ("startup_steps", "0", "3 (1.7 s of warm-up, before the clock)") in listed

@@ -200,3 +200,33 @@ def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe():
     assert len(lines) >= 12 and all(any(w.startswith("seed=") for w in words) for words in lines)
     for words in lines:
         load_recipe("fast", {**parse_set(words), "batch_size": "256"})  # raises RecipeError on a bad line
+
+
+def test_the_startup_bench_times_both_variants(cifar_dir):
+    """bench/startup.py (a GPU session step): the fast recipe for 2 epochs with startup_steps 0 and 3, a row each
+    with the warm-up's seconds from the log header (0 without it) and both epochs' times."""
+    result = run(
+        [
+            sys.executable,
+            "bench/startup.py",
+            "--data-dir",
+            cifar_dir,
+            "--model-width",
+            4,
+            "--train-subset",
+            320,
+            "--val-subset",
+            101,
+            "--rounds",
+            1,
+            "--set",
+            "batch_size=16",
+            "--set",
+            "eval_batch_size=64",
+        ],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0].strip() for row in rows[1:]] == ["0", "3"], result.stdout
+    assert float(rows[1][1]) == 0 and float(rows[2][1]) > 0 and all(float(row[2]) > 0 for row in rows[1:])

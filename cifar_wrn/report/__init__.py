@@ -1334,9 +1334,18 @@ def recipe_changes(run: Run) -> list[tuple[str, str, str]]:
 
 def optimisations(run: Run) -> list[tuple[str, str, str]]:
     """The recipe changes that change the training computation; `epochs` among them only where it sets a
-    schedule (under a constant one it only caps the run)."""
+    schedule (under a constant one it only caps the run). The start-up warm-up's row names its cost."""
     schedule = full_recipe(run.recipe).get("lr_schedule") != "constant"
-    return [c for c in recipe_changes(run) if c[0] not in RUN_LENGTH or (c[0] == "epochs" and schedule)]
+    seconds = run.header.get("startup_seconds")
+    return [
+        (
+            key,
+            base,
+            f"{used} ({seconds:.1f} s of warm-up, before the clock)" if key == "startup_steps" and seconds else used,
+        )
+        for key, base, used in recipe_changes(run)
+        if key not in RUN_LENGTH or (key == "epochs" and schedule)
+    ]
 
 
 # ============================================================================ figures
