@@ -191,11 +191,12 @@ def test_sync_count_runs_the_fast_step_on_the_cpu():
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
-def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe():
-    """bench/levers-25.txt feeds bench/gpu_sweep.sh on a GPU lent for minutes: a bad key would cost a run there."""
+@pytest.mark.parametrize("levers", ["levers-25.txt", "levers-44.txt"])
+def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe(levers):
+    """bench/levers-*.txt feed bench/gpu_sweep.sh on a GPU lent for minutes: a bad key would cost a run there."""
     from cifar_wrn.recipe import load_recipe, parse_set
 
-    lines = [line.split("#")[0].split() for line in (REPO / "bench" / "levers-25.txt").read_text().splitlines()]
+    lines = [line.split("#")[0].split() for line in (REPO / "bench" / levers).read_text().splitlines()]
     lines = [words for words in lines if words]
     assert len(lines) >= 12 and all(any(w.startswith("seed=") for w in words) for words in lines)
     for words in lines:
