@@ -21,16 +21,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from cifar_wrn.runlog import read_log  # noqa: E402
+from cifar_wrn.runlog import criterion_met, read_log  # noqa: E402
 
 
 def criterion_epoch(epochs, target, patience):
-    streak = 0
-    for e in epochs:
-        streak = streak + 1 if e["val_accuracy"] >= target else 0
-        if streak >= patience:
-            return e
-    return None
+    """The first epoch record at which the course's rule holds (cifar_wrn.runlog.criterion_met), or None."""
+    accuracies = [e["val_accuracy"] for e in epochs]
+    return next((e for i, e in enumerate(epochs) if criterion_met(accuracies[: i + 1], target, patience)), None)
 
 
 def run(recipe: str, args, extra, keep_log=None) -> str:

@@ -50,14 +50,14 @@ def epoch_line(m: dict) -> str:
 
 def criterion_met(accuracies: list, target: float, patience: int) -> bool:
     """The course's stopping rule: the last `patience` validation accuracies are all >= target."""
-    return len(accuracies) >= patience and all(accuracy >= target for accuracy in accuracies[-patience:])
+    return trailing_streak(accuracies, target) >= patience
 
 
 def trailing_streak(accuracies: list, target: float) -> int:
-    """How many of the last accuracies in a row are >= target."""
+    """How many of the last accuracies in a row are >= target: the one place the rule compares."""
     streak = 0
     for accuracy in reversed(accuracies):
-        if accuracy < target:
+        if not accuracy >= target:
             break
         streak += 1
     return streak
