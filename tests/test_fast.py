@@ -437,3 +437,22 @@ def test_the_startup_warm_up_changes_nothing_that_is_trained(cifar_dir, tmp_path
     numbers = lambda epochs: [(e["train_correct"], e["val_loss"], e["val_accuracy"]) for e in epochs]
     assert numbers(cold_epochs) == numbers(warm_epochs) and len(cold_epochs) == 1
     assert cold_header["startup_seconds"] == 0 and warm_header["startup_seconds"] > 0
+
+
+def test_a_resumed_run_warms_up_and_still_trains_as_the_straight_run(cifar_dir, tmp_path):
+    """The warm-up runs after a resume too, over a loaded optimizer (momentum buffers), EMA and schedule: 2 epochs
+    straight, and 1 epoch then a resume for the second, both with startup_steps 2, end in bit-identical weights."""
+    flags = [*data_flags(cifar_dir), "--model-width", 4, "--num-gpus", 2, "--device", "cpu", "--batch-size", 16]
+    flags += ["--set", "startup_steps=2", "--set", "ema_decay=0.9", "--set", "eval_batch_size=64", "--progress", "off"]
+    for folder in ("straight", "resumed"):
+        (tmp_path / folder).mkdir()
+    straight = run_raw(*flags, "--epochs", 2, "--save", tmp_path / "straight" / "w.pt", timeout=240)
+    first = run_raw(*flags, "--epochs", 1, "--checkpoint-dir", tmp_path / "ck", timeout=240)
+    second = run_raw(
+        *flags, "--epochs", 2, "--checkpoint-dir", tmp_path / "ck", "--resume", "--save", tmp_path / "resumed" / "w.pt"
+    )
+    for result in (straight, first, second):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resuming from" in second.stdout
+    a, b = torch.load(tmp_path / "straight" / "w.pt"), torch.load(tmp_path / "resumed" / "w.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
