@@ -1062,7 +1062,7 @@ def test_the_featured_run_is_the_two_process_run_of_the_comparable_pair(tmp_path
     report.label_runs(runs)
     assert report.main_run(runs).path == two
     assert report.featured_text(runs) == (
-        "The featured run (its epoch log and Demonstrate 6): `baseline-1x2`: 2 process(es), compared with a "
+        "The featured run (its epoch log and Demonstrate 6): `baseline-1x2`: 2 processes, compared with a "
         "1-process run of the same recipe, data, model and device, met the criterion; chosen over "
         "`baseline-1x2-smoke` (no comparable 1-process run)."
     )

@@ -1254,8 +1254,8 @@ def featured_text(runs: list[Run]) -> str:
     run = main_run(runs)
     if len(runs) == 1:
         return ""
-    two, paired, met = _standing(run, runs)
-    why = [f"{run.world_size} process(es)"]
+    _, paired, met = _standing(run, runs)
+    why = [f"{run.world_size} process{'es' if run.world_size > 1 else ''}"]
     why += ["compared with a 1-process run of the same recipe, data, model and device"] if paired else []
     why += ["met the criterion"] if met else ["did not meet the criterion"]
     others = []
