@@ -13,13 +13,14 @@ so (epoch 1 - epoch 2) with the warm-up against without it is the start-up taken
 """
 
 import argparse
-import json
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-from common import REPO, raw_ddp_command  # bench/common.py
+from common import REPO, raw_ddp_command  # bench/common.py; it puts cifar_wrn on sys.path
+
+from cifar_wrn.runlog import read_log
 
 
 def one_run(args, steps: int, log: Path) -> dict:
@@ -43,8 +44,8 @@ def one_run(args, steps: int, log: Path) -> dict:
         "extra_epochs=0",
         "--set",
         f"startup_steps={steps}",
-        "--set",
-        "target_accuracy=1.0",  # both epochs always run
+        "--target-accuracy",
+        "1.0",  # both epochs always run
         "--progress",
         "off",
         "--log-json",
@@ -52,11 +53,10 @@ def one_run(args, steps: int, log: Path) -> dict:
         *[flag for setting in args.set for flag in ("--set", setting)],
     )
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    epochs = [r for r in records if r["kind"] == "epoch"]
+    header, epochs = read_log(log)
     return {
         "startup_steps": steps,
-        "startup_seconds": records[0].get("startup_seconds", 0.0),
+        "startup_seconds": header.get("startup_seconds", 0.0),
         "epoch_1": epochs[0]["epoch_time"],
         "epoch_2": epochs[1]["epoch_time"],
     }

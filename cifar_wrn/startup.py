@@ -42,8 +42,8 @@ def warm_up(model, raw_model, eval_model, optimizer, scheduler, criterion, recip
     modules = [raw_model] + ([eval_model] if eval_model is not raw_model else [])
     saved = _snapshot(modules, optimizer, scheduler, device)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    shape = lambda n: torch.randn(n, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
-    images, labels = shape(recipe.batch_size), torch.randint(0, 10, (recipe.batch_size,), device=device)
+    random_images = lambda n: torch.randn(n, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
+    images, labels = random_images(recipe.batch_size), torch.randint(0, 10, (recipe.batch_size,), device=device)
     model.train()
     for _ in range(recipe.startup_steps):
         with torch.autocast(**autocast):
@@ -57,7 +57,7 @@ def warm_up(model, raw_model, eval_model, optimizer, scheduler, criterion, recip
     network = evaluated_network(eval_model)
     network.eval()
     with torch.no_grad(), torch.autocast(**autocast):
-        network(shape(recipe.eval_batch_size))
+        network(random_images(recipe.eval_batch_size))
     network.train()
     _restore(saved, modules, optimizer, scheduler, device)
     if device.type == "cuda":
