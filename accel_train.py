@@ -4,8 +4,8 @@
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --data-dir data
 
     # 2 nodes x 4 GPUs: only --machine_rank differs
-    accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank 0 \
-        --main_process_ip node0 --main_process_port 29500 accel_train.py --data-dir data
+    accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank 0 --main_process_ip node0 \
+        --main_process_port 29500 accel_train.py --data-dir data
 
     # Slurm, one task per node
     srun --ntasks-per-node=1 bash -c 'accelerate launch --config_file accelerate_configs/multi_node.yaml \
@@ -35,20 +35,8 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import DDPCommunicationHookType, broadcast, gather_object, parse_flag_from_env, set_seed
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from cifar_wrn import checkpoint as ckpt
 from cifar_wrn.bars import EpochBar, validation_bar
-from cifar_wrn.checkpoint import (
-    attempt,
-    fresh_folder,
-    latest_checkpoint,
-    publish_checkpoint,
-    read_accel_for_resume,
-    restore_accel,
-    resume_disagreement,
-    resume_problem,
-    stop_unless_written,
-    what_was_seen,
-    write_folder,
-)
 from cifar_wrn.cli import (
     CPU_FALLBACK_WARNING,
     NO_CUDA,
@@ -73,26 +61,20 @@ from cifar_wrn.data import (
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.evaluation import evaluate, real_sample_mask
-from cifar_wrn.model import ARCHITECTURE, WideResNet, init_residual_bn
+from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.recipe import as_dict, slow_bf16_warning
+from cifar_wrn.recipe import as_dict, autocast_options, memory_format, slow_bf16_warning
 from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 from cifar_wrn.startup import warm_up
 
 
 def parse_args(argv=None) -> argparse.Namespace:  # A1.1
-    p = argparse.ArgumentParser(
-        description="Accelerate training of the course WideResNet on CIFAR-10; processes, nodes and mixed "
-        "precision come from the launcher's config (accelerate_configs/)."
-    )
-    p.add_argument(
-        "--cpu",
-        action="store_true",
-        help="train on the CPU (gloo) even where CUDA exists; needed for several CPU processes",
-    )
+    what = "Accelerate training of the course WideResNet on CIFAR-10; processes and nodes: the launcher's config."
+    p = argparse.ArgumentParser(description=what)
+    p.add_argument("--cpu", action="store_true", help="train on the CPU (gloo) even where CUDA exists")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as raw_ddp.py's")
     add_training_flags(p)
     args = p.parse_args(argv)
@@ -106,53 +88,40 @@ def join_process_group(args, recipe) -> tuple[Accelerator, int, int, torch.devic
     """A1.2 + A1.3 + A1.7: Accelerator() joins the launcher's group and picks the device."""
     import torch._dynamo as _  # noqa: F401  (as in raw_ddp.py)
 
+    # A1.5 + A1.6: the same shuffle on every rank, a new one each epoch
+    loading = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True)
+    hook = DDPCommunicationHookType.BF16 if recipe.grad_compression == "bf16" else DDPCommunicationHookType.NO
+    ddp = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph, comm_hook=hook)
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))  # A1.3
     try:
         accelerator = Accelerator(
             cpu=args.cpu,
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
-            # A1.5 + A1.6: the same shuffle on every rank, a new one each epoch
-            dataloader_config=DataLoaderConfiguration(
-                use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
-            ),
+            dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
-            kwargs_handlers=[
-                # A1.8
-                DistributedDataParallelKwargs(
-                    gradient_as_bucket_view=recipe.ddp_bucket_view,
-                    static_graph=recipe.ddp_static_graph,
-                    comm_hook=DDPCommunicationHookType.BF16
-                    if recipe.grad_compression == "bf16"
-                    else DDPCommunicationHookType.NO,
-                ),
-                InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout)),  # A1.3
-            ],
+            kwargs_handlers=[DistributedDataParallelKwargs(**ddp), group],  # A1.8, A1.3
         )
     except dist.DistError as exc:
-        raise group_not_formed(
-            "",
-            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
-            launcher_world_size(),
-            args.dist_timeout,
-            exc,
-            "Start every node with the same config, --main_process_ip and --main_process_port.",
-        ) from None
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        hint = "Start every node with the same config, --main_process_ip and --main_process_port."
+        raise group_not_formed("", where, launcher_world_size(), args.dist_timeout, exc, hint) from None
+    device, world_size = accelerator.device, accelerator.num_processes
     problem = accelerate_launch_problem(
-        accelerator.num_processes, accelerator.distributed_type.value, accelerator.device.type, accelerate.__version__
+        world_size, accelerator.distributed_type.value, device.type, accelerate.__version__
     )
     if problem:
         raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")
-    device = accelerator.device
     if device.type == "cpu":
         # the node's processes share its cores
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(accelerator.num_processes)))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(world_size)))
         if args.cpu_fallback and not parse_flag_from_env("ACCELERATE_USE_CPU"):
             accelerator.print(CPU_FALLBACK_WARNING, file=sys.stderr)
         if warning := slow_bf16_warning(device.type, recipe.precision):
             accelerator.print(warning, file=sys.stderr)
         if recipe.sync_bn:
             raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
-    return accelerator, accelerator.process_index, accelerator.num_processes, device
+    return accelerator, accelerator.process_index, world_size, device
 
 
 # ==== data
@@ -170,24 +139,14 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
     options = loader_options(recipe, device, rank)
     if recipe.data_pipeline == "device":
         # not prepared: prepare() would shard these already sharded batches again
-        train_sampler = DistributedSampler(
-            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=recipe.seed
-        )
+        train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=recipe.seed)
         val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))
         val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
         train_loader = DataLoader(train_set, batch_size=None, sampler=train_batches, **options)  # A1.5
         val_loader = DataLoader(val_set, batch_size=None, sampler=val_batches, **options)
-        data = Loaders(
-            train_set,
-            train_loader,
-            val_loader,
-            len(val_set),
-            len(train_batches.batches),
-            train_sampler,
-            train_batches,
-            real_sample_mask(val_sampler),
-        )
+        loaders = (train_set, train_loader, val_loader, len(val_set), len(train_batches.batches), train_sampler)
+        data = Loaders(*loaders, train_batches, real_sample_mask(val_sampler))
     else:
         train_loader = DataLoader(train_set, batch_size=recipe.batch_size, shuffle=True, drop_last=True, **options)
         val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, **options)
@@ -203,11 +162,10 @@ def build_data(args, recipe, accelerator, rank: int, world_size: int, device) ->
 def build_model(args, recipe, accelerator, device):
     """The DDP model, the WideResNet inside it, and the model evaluated and saved."""
     set_seed(recipe.seed)
-    model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
+    model = WideResNet(width=args.model_width)
     if recipe.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    model = model.to(device, memory_format=memory_format)
+    model = model.to(device, memory_format=memory_format(recipe))
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     # before prepare(): a plain WideResNet copy
     ema_model = None if recipe.ema_decay == 0 else build_ema(model, recipe.ema_decay)
@@ -220,13 +178,17 @@ def build_model(args, recipe, accelerator, device):
 
 # ==== train
 @dataclasses.dataclass
-class TrainingRun:  # what a checkpoint holds besides the progress (and the accelerator's)
+class TrainingRun:  # one rank's training objects: what the loop and a checkpoint use
     rank: int
     world_size: int
     device: torch.device
     accelerator: Accelerator
+    model: torch.nn.Module  # DDP(raw_model), prepared
     raw_model: torch.nn.Module
     eval_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    criterion: torch.nn.Module
     data: Loaders
 
 
@@ -240,9 +202,10 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         global_batch_size = recipe.batch_size * world_size  # per_device_batch_size x world_size
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)  # A1.8
-        autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
-        memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-        run = TrainingRun(rank, world_size, device, accelerator, raw_model, eval_model, data)
+        autocast = autocast_options(recipe, device)
+        run = TrainingRun(
+            rank, world_size, device, accelerator, model, raw_model, eval_model, optimizer, scheduler, criterion, data
+        )
         if (progress := resume(args, recipe, run)) is None:
             return
         # before the clock, then undone; DDP all-reduces in it
@@ -250,51 +213,19 @@ def train_process(args: argparse.Namespace, recipe) -> None:
         log = open_log(args, recipe, run, lr, progress, startup)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
-        done, images, labels = False, None, None
+        done = False
         for epoch in progress.epochs(recipe):
             epoch_loader = epoch_batches(accelerator, data, epoch, progress.step)  # A1.6: a new shuffle each epoch
-            model.train()
-            train_correct = torch.zeros((), dtype=torch.int64, device=device)
             t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
-            for step, (images, labels) in enumerate(epoch_loader, start=progress.step):
-                images = images.to(device, non_blocking=True, memory_format=memory_format)
-                labels = labels.to(device, non_blocking=True)
-                timer.mark("data")
-                with torch.autocast(**autocast):
-                    outputs = model(images)
-                    loss = criterion(outputs, labels)
-                train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
-                timer.mark("forward")
-                optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)  # DDP all-reduces the gradients here
-                timer.mark("backward")
-                if recipe.grad_clip_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-                optimizer.step()
-                timer.mark("optimizer")
-                scheduler.step()
-                if eval_model is not raw_model:
-                    eval_model.update_parameters(raw_model)
-                if guard.check(
-                    loss, epoch, step, data.steps_per_epoch, lambda flags: accelerator.reduce(flags, reduction="sum")
-                ):
-                    seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
-                    at = progress.mid_epoch(
-                        step + 1, seconds, **training_counts(accelerator, progress, train_correct, step + 1, recipe)
-                    )
-                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
-                bar.step(loss)
-                timer.mark("other")
-            bar.close()
+            correct, last = train_epoch(args, recipe, run, epoch_loader, progress, epoch, guard, timer, t0, bar)
             recalibrate_bn(eval_model, data.recalibration, autocast, lambda t: t.copy_(accelerator.reduce(t, "mean")))
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()
-            last_loss = lambda x=images, y=labels: criterion(model(x), y)  # prepare() autocasts
-            comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
+            comm = allreduce_estimate(args, run, last, steps_run=data.steps_per_epoch - progress.step)
             # ==== evaluate
-            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, train_correct, show)  # A1.9
+            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, correct, show)  # A1.9
             done = progress.end_epoch(metrics, recipe)
             if is_main:  # A1.10
                 print(epoch_line(metrics), flush=True)  # A1.10
@@ -312,17 +243,54 @@ def train_process(args: argparse.Namespace, recipe) -> None:
             accelerator.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
-        model = None  # DDP's reference cycle holds the group: freed now, before the exit
+        model = run = None  # DDP's reference cycle holds the group: freed now, before the exit
         accelerator.free_memory()
         accelerator.end_training()  # A1.3
+
+
+def train_epoch(args, recipe, run: TrainingRun, loader, progress: Progress, epoch: int, guard, timer, t0: float, bar):
+    """One epoch's steps (the rest of it on a resume); returns the right predictions and the last batch."""
+    accelerator, model, optimizer, data, device = run.accelerator, run.model, run.optimizer, run.data, run.device
+    autocast, layout = autocast_options(recipe, device), memory_format(recipe)
+    model.train()
+    train_correct = torch.zeros((), dtype=torch.int64, device=device)
+    images = labels = None
+    for step, (images, labels) in enumerate(loader, start=progress.step):
+        images = images.to(device, non_blocking=True, memory_format=layout)
+        labels = labels.to(device, non_blocking=True)
+        timer.mark("data")
+        with torch.autocast(**autocast):
+            outputs = model(images)
+            loss = run.criterion(outputs, labels)
+        train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
+        timer.mark("forward")
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)  # DDP all-reduces the gradients here
+        timer.mark("backward")
+        if recipe.grad_clip_norm:
+            accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
+        optimizer.step()
+        timer.mark("optimizer")
+        run.scheduler.step()
+        if run.eval_model is not run.raw_model:
+            run.eval_model.update_parameters(run.raw_model)
+        # a stop signal or a non-finite loss on any rank stops every rank at this step
+        if guard.check(loss, epoch, step, data.steps_per_epoch, lambda f: accelerator.reduce(f, reduction="sum")):
+            seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
+            counts = training_counts(accelerator, progress, train_correct, step + 1, recipe)
+            at = progress.mid_epoch(step + 1, seconds, **counts)
+            raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
+        bar.step(loss)
+        timer.mark("other")
+    bar.close()
+    return train_correct, (images, labels)
 
 
 def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoch_time: float, train_correct, show):
     """The course's epoch line's numbers."""
     accelerator, data, device = run.accelerator, run.data, run.device
-    images_per_sec = torch.tensor(
-        [data.steps_per_epoch * recipe.batch_size / epoch_time], dtype=torch.float64, device=device
-    )
+    rate = data.steps_per_epoch * recipe.batch_size / epoch_time
+    images_per_sec = torch.tensor([rate], dtype=torch.float64, device=device)
     images_per_sec = accelerator.reduce(images_per_sec, reduction="sum")  # A1.9: throughputs add up
     train = training_counts(accelerator, progress, train_correct, data.steps_per_epoch, recipe)
     val_loss, val_accuracy = validate(accelerator, run.eval_model, data, device, recipe, show)  # A1.9
@@ -343,18 +311,11 @@ def validate(accelerator, eval_model, data: Loaders, device, recipe, show: bool)
     """Exact validation loss and accuracy, the same on every rank."""
     # BatchNorm buffers end a step apart: take rank 0's
     broadcast(list(evaluated_network(eval_model).buffers()), from_process=0)
-    autocast_dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # the EMA copy does not autocast
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # the EMA copy does not autocast
     # A1.9: sums over real images, or every rank's batches gathered
-    totals = evaluate(
-        eval_model,
-        validation_bar(show, data.val_loader),
-        data.val_mask,
-        device,
-        autocast_dtype,
-        recipe.tta_flip,
-        recipe.tta_translate,
-        gather=None if data.val_mask is not None else accelerator.gather_for_metrics,
-    )  # A1.9
+    bar, gather = validation_bar(show, data.val_loader), accelerator.gather_for_metrics
+    gather = None if data.val_mask is not None else gather
+    totals = evaluate(eval_model, bar, data.val_mask, device, dtype, recipe.tta_flip, gather=gather)  # A1.9
     if data.val_mask is not None:
         totals = accelerator.reduce(totals, reduction="sum")  # A1.9
     if round(totals[2].item()) != data.val_images:
@@ -381,43 +342,28 @@ def epoch_batches(accelerator, data: Loaders, epoch: int, skip: int):
     return accelerator.skip_first_batches(data.train_loader, skip) if skip else data.train_loader
 
 
-def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
-    """--profile: the seconds DDP's all-reduce added to this epoch."""
+def allreduce_estimate(args, run: TrainingRun, last_batch, steps_run: int) -> float:
+    """--profile: the seconds DDP's all-reduce added to this epoch, timed again on its last batch."""
     if not (args.profile and steps_run):
         return 0.0
-    accelerator = run.accelerator
-    return steps_run * allreduce_cost(
-        forward, accelerator.backward, lambda: accelerator.no_sync(model), model.zero_grad, run.raw_model, run.device
-    )
+    (images, labels), accelerator, model = last_batch, run.accelerator, run.model
+    forward = lambda: run.criterion(model(images), labels)  # prepare() autocasts
+    no_sync = lambda: accelerator.no_sync(model)
+    backward = accelerator.backward
+    return steps_run * allreduce_cost(forward, backward, no_sync, model.zero_grad, run.raw_model, run.device)
 
 
 def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress, startup: float) -> JsonLog:
-    accelerator = run.accelerator
+    accelerator, is_main = run.accelerator, run.accelerator.is_main_process
     per_node = local_world_size(accelerator.num_processes)
     num_nodes = accelerator.num_processes // per_node
-    layout = f"{num_nodes}x{per_node}"
-    path = run_log_path(args.log_json, args.recipe, layout, prefix="accel-") if accelerator.is_main_process else None
-    log = open_run_log(
-        path,
-        progress,
-        data=run.data,
-        raw_model=run.raw_model,
-        recipe=recipe,
-        lr=lr,
-        world_size=accelerator.num_processes,
-        model_width=args.model_width,
-        startup_seconds=startup,
-        num_gpus=per_node,
-        num_nodes=num_nodes,
-        backend=accelerator.state.backend or "none",
-        device=accelerator.device.type,
-        launcher=launcher_name(),
-        trainer="accelerate",
-        accelerate_version=accelerate.__version__,
-        mixed_precision=accelerator.mixed_precision,
-        distributed_type=accelerator.distributed_type.value,
-    )
-    if args.precision_note and accelerator.is_main_process:
+    path = run_log_path(args.log_json, args.recipe, f"{num_nodes}x{per_node}", prefix="accel-") if is_main else None
+    launch = dict(startup_seconds=startup, num_gpus=per_node, num_nodes=num_nodes, device=accelerator.device.type)
+    launch.update(backend=accelerator.state.backend or "none", launcher=launcher_name(), trainer="accelerate")
+    launch.update(accelerate_version=accelerate.__version__, mixed_precision=accelerator.mixed_precision)
+    launch.update(distributed_type=accelerator.distributed_type.value)
+    log = open_run_log(path, progress, run.data, run.raw_model, recipe, lr, run.world_size, args.model_width, **launch)
+    if args.precision_note and is_main:
         print(f"note: {args.precision_note}", flush=True)
     return log
 
@@ -428,67 +374,43 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
     rank, world_size, data = run.rank, run.world_size, run.data
     if not (args.resume or args.auto_resume):
         return Progress()
-    folder, state, problem = read_accel_for_resume(args.checkpoint_dir, required=args.resume)
+    folder, state, problem = ckpt.read_accel_for_resume(args.checkpoint_dir, required=args.resume)
     if state is not None:
-        problem = resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes()) or attempt(
-            restore_accel,
-            run.accelerator,
-            folder,
-            state,
-            run.device.type,
-            run.eval_model if run.eval_model is not run.raw_model else None,
-            data.train_set.generator if data.train_sampler is not None else None,
+        ema = run.eval_model if run.eval_model is not run.raw_model else None
+        generator = data.train_set.generator if data.train_sampler is not None else None
+        problem = ckpt.resume_problem(state, as_dict(recipe), world_size, args.model_width, data.sizes())
+        problem = problem or ckpt.attempt(
+            ckpt.restore_accel, run.accelerator, folder, state, run.device.type, ema, generator
         )
-    problem = resume_disagreement(gather_object([(what_was_seen(state), problem)]))
+    problem = ckpt.resume_disagreement(gather_object([(ckpt.what_was_seen(state), problem)]))
     if problem:
         raise UserError(f"cannot resume from {folder or args.checkpoint_dir}: {problem}")
     if state is None:
         return Progress()
     progress = Progress.of(state)
     if rank == 0:
-        print(
-            f"Resuming from {folder}: epoch {progress.epoch + 1}, step {progress.step} of "
-            f"{data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}",
-            flush=True,
-        )
-        if state["finished"]:
-            print("Nothing to do: that run had already finished", flush=True)
+        print(ckpt.resuming_line(folder, progress, data.steps_per_epoch, state["finished"]), flush=True)
     return None if state["finished"] else progress
 
 
 def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
     """All ranks save_state into DIR/.incomplete, then the main process publishes it."""
-    rank, world_size, device, data = run.rank, run.world_size, run.device, run.data
-    raw_model, eval_model = run.raw_model, run.eval_model
+    rank, data = run.rank, run.data
     pipeline = gather_object([data.train_set.generator.get_state() if data.train_sampler is not None else None])
-    state = {
-        **progress.as_dict(),
-        "finished": finished,
-        "pipeline": pipeline,
-        "recipe": as_dict(recipe),
-        "world_size": world_size,
-        "model_width": args.model_width,
-        "architecture": ARCHITECTURE,
-        **data.sizes(),
-        "device": device.type,
-        "ema": eval_model.state_dict() if eval_model is not raw_model else None,
-    }
+    state = ckpt.accel_state(run, progress, finished, pipeline, as_dict(recipe), args.model_width)
     incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
     leftover = incomplete if rank == 0 else None
     # each step's outcome to all ranks (also the barrier)
-    stop_unless_written(gather_object([attempt(fresh_folder, incomplete) if rank == 0 else None]), args.checkpoint_dir)
-    problem = attempt(write_folder, run.accelerator.save_state, incomplete, state if rank == 0 else None)
-    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
-    problem = attempt(publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
-    stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
-    return latest_checkpoint(args.checkpoint_dir)
+    problem = ckpt.attempt(ckpt.fresh_folder, incomplete) if rank == 0 else None
+    ckpt.stop_unless_written(gather_object([problem]), args.checkpoint_dir)
+    problem = ckpt.attempt(ckpt.write_folder, run.accelerator.save_state, incomplete, state if rank == 0 else None)
+    ckpt.stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
+    problem = ckpt.attempt(ckpt.publish_checkpoint, args.checkpoint_dir, incomplete) if rank == 0 else None
+    ckpt.stop_unless_written(gather_object([problem]), args.checkpoint_dir, leftover)
+    return ckpt.latest_checkpoint(args.checkpoint_dir)
 
 
 # ==== launch
-def check_launch(args) -> None:
-    check_training_flags(args)
-
-
 def run_process(args, recipe) -> None:
     rank = os.environ.get("RANK", "0")
     run_reporting_failures(lambda: train_process(args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError))
@@ -506,11 +428,9 @@ def resolve(args) -> tuple[argparse.Namespace, object]:
             f"'no' (the recipe's precision decides): fix mixed_precision in the accelerate config"
         )
     if launch_precision == "bf16" and recipe.precision != "bf16":
-        args.precision_note = (
-            f"mixed_precision bf16 from the accelerate launch overrides the recipe's precision {recipe.precision}"
-        )
+        args.precision_note = f"the launch's mixed_precision bf16 overrides the recipe's precision {recipe.precision}"
         recipe = dataclasses.replace(recipe, precision="bf16")
-    check_launch(args)
+    check_training_flags(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError(NO_CUDA)
     if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()):

@@ -12,8 +12,7 @@
     python raw_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --master-port 29500
 
     # Slurm, one task per node
-    srun --ntasks-per-node=1 bash -c 'python raw_ddp.py --num-nodes $SLURM_NNODES \
-        --node-id $SLURM_NODEID --num-gpus 4'
+    srun --ntasks-per-node=1 bash -c 'python raw_ddp.py --num-nodes $SLURM_NNODES --node-id $SLURM_NODEID --num-gpus 4'
 
     # or torchrun
     torchrun --nproc_per_node 2 raw_ddp.py --data-dir data
@@ -26,7 +25,6 @@
 import argparse
 import gc
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,18 +36,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from cifar_wrn import checkpoint as ckpt
 from cifar_wrn.bars import EpochBar, validation_bar
-from cifar_wrn.checkpoint import (
-    attempt,
-    checkpoint_path,
-    read_for_resume,
-    restore_raw,
-    resume_disagreement,
-    resume_problem,
-    save_atomic,
-    stop_unless_written,
-    what_was_seen,
-)
 from cifar_wrn.cli import (
     CPU_FALLBACK_WARNING,
     add_training_flags,
@@ -71,12 +59,12 @@ from cifar_wrn.data import (
 from cifar_wrn.ema import build_ema, evaluated_network, recalibrate_bn
 from cifar_wrn.errors import AgreedError, UserError, agreed_problem, group_not_formed, run_reporting_failures
 from cifar_wrn.evaluation import evaluate, exact_ratios, real_sample_mask
-from cifar_wrn.model import ARCHITECTURE, WideResNet, init_residual_bn
+from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import DeviceBatches, make_datasets, recalibration_batches
 from cifar_wrn.profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from cifar_wrn.recipe import as_dict, slow_bf16_warning
-from cifar_wrn.resilience import StepGuard, install_stop_handlers, preempted
+from cifar_wrn.recipe import as_dict, autocast_options, memory_format, slow_bf16_warning
+from cifar_wrn.resilience import StepGuard, install_stop_handlers, pass_on_stop_signals, preempted
 from cifar_wrn.runlog import JsonLog, Progress, epoch_line, final_line, open_run_log, run_log_path
 from cifar_wrn.startup import warm_up
 
@@ -85,29 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:  # R1.1
     p = argparse.ArgumentParser(description="Hand-written DDP training of the course WideResNet on CIFAR-10.")
     p.add_argument("--num-nodes", type=int, default=1, help="machines taking part (default 1)")
     p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1 (default 0)")
-    p.add_argument(
-        "--num-gpus",
-        type=int,
-        default=1,
-        help="processes on this machine: one per GPU, or CPU processes with --device cpu (default 1)",
-    )
-    p.add_argument(
-        "--master-addr",
-        default=os.environ.get("MASTER_ADDR"),
-        help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1 when there is one node)",
-    )
-    p.add_argument(
-        "--master-port",
-        type=int,
-        default=port_from_env(),
-        help="TCP port on node 0 (default: $MASTER_PORT, else a free port when there is one node)",
-    )
-    p.add_argument(
-        "--device",
-        choices=["auto", "cuda", "cpu"],
-        default="auto",
-        help="auto: CUDA when available, else CPU with a warning (default auto)",
-    )
+    p.add_argument("--num-gpus", type=int, default=1, help="processes on this machine: one per GPU (default 1)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address ($MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, default=port_from_env(), help="node 0's TCP port ($MASTER_PORT)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA, else CPU + warning")
     p.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="as --device cpu (accel_train.py's)")
     add_training_flags(p)
     p.set_defaults(launcher_store=False)
@@ -125,15 +94,12 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
     # R1.7: pin to one GPU before any CUDA work
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)  # R1.7
-        device = torch.device(f"cuda:{local_rank}")  # R1.7
-        backend = "nccl"
+        device, backend = torch.device(f"cuda:{local_rank}"), "nccl"  # R1.7
     else:
-        device = torch.device("cpu")  # R1.7
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"  # R1.7
         # the node's processes share its cores
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))
-    # before the group forms, or torch._dynamo outlives it and can abort the exit
-    import torch._dynamo as _  # noqa: F401
+    import torch._dynamo as _  # noqa: F401  now, before the group: imported later it can abort the exit
 
     # R1.3: every rank meets at node 0's address and port (through the launcher's store when it holds one)
     timeout = timedelta(seconds=args.dist_timeout)
@@ -144,24 +110,12 @@ def join_process_group(local_rank: int, args) -> tuple[int, int, torch.device]:
             meet = dict(store=dist.TCPStore(args.master_addr, args.master_port, world_size, False, timeout=timeout))
         else:
             meet = dict(init_method=f"tcp://{args.master_addr}:{args.master_port}")
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world_size,  # R1.3
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-            **meet,
-        )
+        meet["device_id"] = device if backend == "nccl" else None  # NCCL: connect eagerly, to this GPU
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **meet)  # R1.3
     except dist.DistError as exc:
         where = f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
-        raise group_not_formed(
-            f"rank {rank}: ",
-            where,
-            world_size,
-            args.dist_timeout,
-            exc,
-            "Start every node with the same --num-nodes, --num-gpus, --master-addr and --master-port.",
-        ) from None
+        hint = "Start every node with the same --num-nodes, --num-gpus, --master-addr and --master-port."
+        raise group_not_formed(f"rank {rank}: ", where, world_size, args.dist_timeout, exc, hint) from None
     return rank, world_size, device
 
 
@@ -189,29 +143,21 @@ def build_data(args, recipe, rank: int, world_size: int, local_rank: int, device
     else:
         train_loader = DataLoader(train_set, batch_sampler=train_batches, **options)  # R1.5
         val_loader = DataLoader(val_set, batch_sampler=val_batches, **options)  # R1.5
-    require_a_step(len(train_batches.batches), len(train_set), world_size, recipe.batch_size)
-    return Loaders(
-        train_set,
-        train_loader,
-        val_loader,
-        len(val_set),
-        len(train_batches.batches),
-        train_sampler,
-        train_batches,
-        real_sample_mask(val_sampler),
-        recalibration_batches(train_set, recipe, rank, world_size, device),
-    )
+    steps = len(train_batches.batches)
+    require_a_step(steps, len(train_set), world_size, recipe.batch_size)
+    recalibration = recalibration_batches(train_set, recipe, rank, world_size, device)
+    loaders = (train_set, train_loader, val_loader, len(val_set), steps, train_sampler, train_batches)
+    return Loaders(*loaders, real_sample_mask(val_sampler), recalibration)
 
 
 # ==== model
 def build_model(args, recipe, rank: int, local_rank: int, device):
     """The DDP model, the WideResNet inside it, and the model evaluated and saved."""
     torch.manual_seed(recipe.seed)
-    raw_model = init_residual_bn(WideResNet(width=args.model_width), recipe.residual_bn_init)
+    raw_model = WideResNet(width=args.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    raw_model = raw_model.to(device, memory_format=memory_format)
+    raw_model = raw_model.to(device, memory_format=memory_format(recipe))
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     # R1.8: DDP averages the gradients over all ranks during backward
     model = DDP(
@@ -231,14 +177,16 @@ def build_model(args, recipe, rank: int, local_rank: int, device):
 
 # ==== train
 @dataclass
-class TrainingRun:  # what a checkpoint holds besides the progress, and whose it is
+class TrainingRun:  # one rank's training objects: what the loop and a checkpoint use
     rank: int
     world_size: int
     device: torch.device
+    model: torch.nn.Module  # DDP(raw_model)
     raw_model: torch.nn.Module
     eval_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    criterion: torch.nn.Module
     data: Loaders
 
 
@@ -251,9 +199,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         model, raw_model, eval_model = build_model(args, recipe, rank, local_rank, device)  # R1.8
         global_batch_size = recipe.batch_size * world_size  # per_device_batch_size x world_size
         lr, optimizer, scheduler, criterion = build_training(raw_model, recipe, global_batch_size, data.steps_per_epoch)
-        autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
-        memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-        run = TrainingRun(rank, world_size, device, raw_model, eval_model, optimizer, scheduler, data)
+        autocast = autocast_options(recipe, device)
+        run = TrainingRun(rank, world_size, device, model, raw_model, eval_model, optimizer, scheduler, criterion, data)
         if (progress := resume(args, recipe, run)) is None:
             return
         # before the clock, then undone: kernels, autotuning, DDP's buckets; DDP all-reduces in it
@@ -261,52 +208,20 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         log = open_log(args, recipe, run, lr, progress, startup)
         guard = StepGuard(rank, world_size, device)
         timer = PhaseTimer(device, enabled=args.profile, trace_dir=args.trace, rank=rank)
-        done, images, labels = False, None, None
+        done = False
         for epoch in progress.epochs(recipe):
             data.train_sampler.set_epoch(epoch)  # R1.6: a new shuffle each epoch
             data.train_batches.skip = progress.step
-            model.train()
-            train_correct = torch.zeros((), dtype=torch.int64, device=device)
             t0 = timer.start(device)
             bar = EpochBar(show, epoch + 1, data.steps_per_epoch, progress.step, global_batch_size)
-            for step, (images, labels) in enumerate(data.train_loader, start=progress.step):
-                images = images.to(device, non_blocking=True, memory_format=memory_format)
-                labels = labels.to(device, non_blocking=True)
-                timer.mark("data")
-                with torch.autocast(**autocast):
-                    outputs = model(images)
-                    loss = criterion(outputs, labels)
-                train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
-                timer.mark("forward")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces the gradients here
-                timer.mark("backward")
-                if recipe.grad_clip_norm:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-                optimizer.step()
-                timer.mark("optimizer")
-                scheduler.step()
-                if eval_model is not raw_model:
-                    eval_model.update_parameters(raw_model)
-                if guard.check(
-                    loss, epoch, step, data.steps_per_epoch, lambda flags: dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                ):
-                    seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
-                    at = progress.mid_epoch(
-                        step + 1, seconds, **training_counts(progress, train_correct, step + 1, recipe)
-                    )
-                    raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
-                bar.step(loss)
-                timer.mark("other")
-            bar.close()
+            correct, last = train_epoch(args, recipe, run, data.train_loader, progress, epoch, guard, timer, t0, bar)
             recalibrate_bn(eval_model, data.recalibration, autocast, average_over_ranks)
             epoch_time = progress.epoch_time_so_far + synchronized_clock(device) - t0
             progress.cumulative_time += epoch_time
             profile = timer.totals()
-            last_loss = torch.autocast(**autocast)(lambda x=images, y=labels: criterion(model(x), y))
-            comm = allreduce_estimate(args, run, model, last_loss, steps_run=data.steps_per_epoch - progress.step)
+            comm = allreduce_estimate(args, recipe, run, last, steps_run=data.steps_per_epoch - progress.step)
             # ==== evaluate
-            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, train_correct, show)  # R1.9
+            metrics = epoch_metrics(run, recipe, progress, epoch, epoch_time, correct, show)  # R1.9
             done = progress.end_epoch(metrics, recipe)
             if is_main:  # R1.10: only rank 0 prints
                 print(epoch_line(metrics), flush=True)  # R1.10
@@ -324,17 +239,54 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             torch.save(evaluated_network(eval_model).state_dict(), args.save)
         log.close()
     finally:
-        model = None  # DDP sits in a reference cycle holding the group: collected now, its threads end before the exit
+        model = run = None  # DDP sits in a reference cycle holding the group: collected now, its threads end first
         gc.collect()
         dist.destroy_process_group()  # R1.3
+
+
+def train_epoch(args, recipe, run: TrainingRun, loader, progress: Progress, epoch: int, guard, timer, t0: float, bar):
+    """One epoch's steps (the rest of it on a resume); returns the right predictions and the last batch."""
+    model, optimizer, data, device = run.model, run.optimizer, run.data, run.device
+    autocast, layout = autocast_options(recipe, device), memory_format(recipe)
+    model.train()
+    train_correct = torch.zeros((), dtype=torch.int64, device=device)
+    images = labels = None
+    for step, (images, labels) in enumerate(loader, start=progress.step):
+        images = images.to(device, non_blocking=True, memory_format=layout)
+        labels = labels.to(device, non_blocking=True)
+        timer.mark("data")
+        with torch.autocast(**autocast):
+            outputs = model(images)
+            loss = run.criterion(outputs, labels)
+        train_correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
+        timer.mark("forward")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here
+        timer.mark("backward")
+        if recipe.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
+        optimizer.step()
+        timer.mark("optimizer")
+        run.scheduler.step()
+        if run.eval_model is not run.raw_model:
+            run.eval_model.update_parameters(run.raw_model)
+        # a stop signal or a non-finite loss on any rank stops every rank at this step
+        if guard.check(loss, epoch, step, data.steps_per_epoch, lambda f: dist.all_reduce(f, op=dist.ReduceOp.MAX)):
+            seconds = progress.epoch_time_so_far + synchronized_clock(device) - t0
+            counts = training_counts(progress, train_correct, step + 1, recipe)
+            at = progress.mid_epoch(step + 1, seconds, **counts)
+            raise preempted(epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
+        bar.step(loss)
+        timer.mark("other")
+    bar.close()
+    return train_correct, (images, labels)
 
 
 def epoch_metrics(run: TrainingRun, recipe, progress: Progress, epoch: int, epoch_time: float, train_correct, show):
     """The numbers of the course's epoch line (the same on every rank, but Images/sec: rank 0's)."""
     data, device = run.data, run.device
-    images_per_sec = torch.tensor(
-        [data.steps_per_epoch * recipe.batch_size / epoch_time], dtype=torch.float64, device=device
-    )
+    rate = data.steps_per_epoch * recipe.batch_size / epoch_time
+    images_per_sec = torch.tensor([rate], dtype=torch.float64, device=device)
     dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9: throughputs add up
     train = training_counts(progress, train_correct, data.steps_per_epoch, recipe)
     val_loss, val_accuracy = validate(run.eval_model, data, device, recipe, show)  # R1.9
@@ -356,15 +308,8 @@ def validate(eval_model, data: Loaders, device, recipe, show: bool) -> tuple[flo
     # BatchNorm buffers end a step apart: take rank 0's
     for buffer in evaluated_network(eval_model).buffers():
         dist.broadcast(buffer, src=0)
-    totals = evaluate(
-        eval_model,
-        validation_bar(show, data.val_loader),
-        data.val_mask,
-        device,
-        torch.bfloat16 if recipe.precision == "bf16" else None,
-        recipe.tta_flip,
-        recipe.tta_translate,
-    )
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else None
+    totals = evaluate(eval_model, validation_bar(show, data.val_loader), data.val_mask, device, dtype, recipe.tta_flip)
     # R1.9: the mean over ranks of each rank's (loss sum, correct, count)
     average_over_ranks(totals)  # R1.9
     return exact_ratios(totals, dist.get_world_size())
@@ -388,34 +333,21 @@ def training_counts(progress: Progress, correct: torch.Tensor, step_end: int, re
     return {"train_correct": progress.train_correct + correct, "train_seen": progress.train_seen + images}
 
 
-def allreduce_estimate(args, run: TrainingRun, model, forward, steps_run: int) -> float:
-    """--profile: the seconds DDP's all-reduce added to this epoch."""
+def allreduce_estimate(args, recipe, run: TrainingRun, last_batch, steps_run: int) -> float:
+    """--profile: the seconds DDP's all-reduce added to this epoch, timed again on its last batch."""
     if not (args.profile and steps_run):
         return 0.0
-    return steps_run * allreduce_cost(
-        forward, lambda loss: loss.backward(), model.no_sync, model.zero_grad, run.raw_model, run.device
-    )
+    images, labels = last_batch
+    forward = torch.autocast(**autocast_options(recipe, run.device))(lambda: run.criterion(run.model(images), labels))
+    backward, model = lambda loss: loss.backward(), run.model
+    return steps_run * allreduce_cost(forward, backward, model.no_sync, model.zero_grad, run.raw_model, run.device)
 
 
 def open_log(args, recipe, run: TrainingRun, lr: float, progress: Progress, startup: float) -> JsonLog:
-    layout = f"{args.num_nodes}x{args.num_gpus}"
-    path = run_log_path(args.log_json, args.recipe, layout) if run.rank == 0 else None
-    return open_run_log(
-        path,
-        progress,
-        data=run.data,
-        raw_model=run.raw_model,
-        recipe=recipe,
-        lr=lr,
-        world_size=run.world_size,
-        model_width=args.model_width,
-        startup_seconds=startup,
-        num_nodes=args.num_nodes,
-        num_gpus=args.num_gpus,
-        backend=dist.get_backend(),
-        device=run.device.type,
-        launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
-    )
+    path = run_log_path(args.log_json, args.recipe, f"{args.num_nodes}x{args.num_gpus}") if run.rank == 0 else None
+    launch = dict(num_nodes=args.num_nodes, num_gpus=args.num_gpus, backend=dist.get_backend(), device=run.device.type)
+    launch.update(launcher="torchrun" if launched_by_torchrun() else "mp.spawn", startup_seconds=startup)
+    return open_run_log(path, progress, run.data, run.raw_model, recipe, lr, run.world_size, args.model_width, **launch)
 
 
 # ==== checkpoint
@@ -424,61 +356,36 @@ def resume(args, recipe, run: TrainingRun) -> Progress | None:
     rank, world_size, data = run.rank, run.world_size, run.data
     if not (args.resume or args.auto_resume):
         return Progress()
-    checkpoint, problem = read_for_resume(args.checkpoint_dir, required=args.resume)
-    if checkpoint is not None:
-        problem = resume_problem(checkpoint, as_dict(recipe), world_size, args.model_width, data.sizes()) or attempt(
-            restore_raw, checkpoint, run
-        )
+    saved, problem = ckpt.read_for_resume(args.checkpoint_dir, required=args.resume)
+    if saved is not None:
+        problem = ckpt.resume_problem(saved, as_dict(recipe), world_size, args.model_width, data.sizes())
+        problem = problem or ckpt.attempt(ckpt.restore_raw, saved, run)
     seen = [None] * world_size
-    dist.all_gather_object(seen, (what_was_seen(checkpoint), problem))
-    problem = resume_disagreement(seen)
+    dist.all_gather_object(seen, (ckpt.what_was_seen(saved), problem))
+    problem = ckpt.resume_disagreement(seen)
     if problem:
-        raise UserError(f"cannot resume from {checkpoint_path(args.checkpoint_dir)}: {problem}")
-    if checkpoint is None:
+        raise UserError(f"cannot resume from {ckpt.checkpoint_path(args.checkpoint_dir)}: {problem}")
+    if saved is None:
         return Progress()
-    progress = Progress.of(checkpoint)
+    progress = Progress.of(saved)
     if rank == 0:
-        print(
-            f"Resuming from {checkpoint_path(args.checkpoint_dir)}: epoch {progress.epoch + 1}, step "
-            f"{progress.step} of {data.steps_per_epoch}, Cumulative Time = {progress.cumulative_time:.3f}",
-            flush=True,
-        )
-        if checkpoint["finished"]:
-            print("Nothing to do: that run had already finished", flush=True)
-    return None if checkpoint["finished"] else progress
+        where = ckpt.checkpoint_path(args.checkpoint_dir)
+        print(ckpt.resuming_line(where, progress, data.steps_per_epoch, saved["finished"]), flush=True)
+    return None if saved["finished"] else progress
 
 
 def save_checkpoint(args, recipe, run: TrainingRun, progress: Progress, finished: bool = False) -> str:
     """Rank 0 writes everything needed to continue at `progress`; all ranks wait for it."""
-    rank, world_size, device, data = run.rank, run.world_size, run.device, run.data
-    raw_model, eval_model = run.raw_model, run.eval_model
-    rng = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "pipeline": data.train_set.generator.get_state() if isinstance(data.train_set, DeviceBatches) else None,
-    }
-    every_rng = [None] * world_size if rank == 0 else None
-    dist.gather_object(rng, every_rng, dst=0)
-    path, problem = checkpoint_path(args.checkpoint_dir), None
-    if rank == 0:
-        state = {
-            "model": raw_model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "ema": eval_model.state_dict() if eval_model is not raw_model else None,
-            **progress.as_dict(),
-            "finished": finished,
-            "rng": every_rng,
-            "recipe": as_dict(recipe),
-            "world_size": world_size,
-            "model_width": args.model_width,
-            "architecture": ARCHITECTURE,
-            **data.sizes(),
-        }
-        problem = attempt(save_atomic, state, path)
+    generator = run.data.train_set.generator if isinstance(run.data.train_set, DeviceBatches) else None
+    every_rng = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(ckpt.rank_rng(run.device, generator), every_rng, dst=0)  # each rank's random streams
+    path, problem = ckpt.checkpoint_path(args.checkpoint_dir), None
+    if run.rank == 0:
+        state = ckpt.raw_state(run, progress, finished, every_rng, as_dict(recipe), args.model_width)
+        problem = ckpt.attempt(ckpt.save_atomic, state, path)
     outcome = [problem]
     dist.broadcast_object_list(outcome, src=0)  # also the barrier
-    stop_unless_written(outcome, args.checkpoint_dir)
+    ckpt.stop_unless_written(outcome, args.checkpoint_dir)
     return str(path)
 
 
@@ -525,14 +432,7 @@ if __name__ == "__main__":
         sys.exit(0)
     # R1.11: one process per GPU; stop signals are passed on as SIGUSR1
     ranks = []
-
-    def pass_on_stop(signum, frame):
-        for process in ranks:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGUSR1)
-
-    signal.signal(signal.SIGUSR1, pass_on_stop)
-    signal.signal(signal.SIGTERM, pass_on_stop)
+    pass_on_stop_signals(ranks)
     # R1.3: one node, no port: hold the store here, on a port nothing can take first
     args.launcher_store = args.master_port is None
     if args.launcher_store:

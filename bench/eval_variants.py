@@ -1,20 +1,19 @@
 """What the evaluation-only changes do: raw weights vs the EMA, with and without flip TTA, on saved checkpoints.
 
     python bench/eval_variants.py --data-dir data runs/fast4/snap/end-epoch3.pt runs/fast4/snap/end-epoch4.pt
-    python bench/eval_variants.py --data-dir data --translate 1 --translate 2 runs/fast7/snap/end-epoch3.pt
     python bench/eval_variants.py --data-dir data --recalibrate 5000 runs/fast7/snap/end-epoch3.pt
 
-`ema_decay`, `tta_flip` and `tta_translate` change only what is evaluated, never the training steps,
-so one training run measures them exactly: evaluate each of its checkpoints (raw_ddp.py --checkpoint-dir;
-copy checkpoint.pt at the end of each epoch) four ways, and, with --translate 1 --translate 2, also with
-flip TTA plus each shift (`tta_translate`) for the network the run scores (its EMA, else its raw weights),
-and, with --recalibrate 5000, with flip TTA after re-estimating its BatchNorm statistics on that many
+`ema_decay` and `tta_flip` change only what is evaluated, never the training steps, so one training run
+measures them exactly: evaluate each of its checkpoints (raw_ddp.py --checkpoint-dir; copy checkpoint.pt at
+the end of each epoch) four ways, and, for the network the run scores (its EMA, else its raw weights), with
+--recalibrate 5000, with flip TTA after re-estimating its BatchNorm statistics on that many
 training images (`bn_recalibration`, as the checkpoint's world size of processes does it).
 One process, the whole validation set, the recipe's precision and memory layout (as the checkpoint's
 recipe says), outside any clock. Prints a markdown row per checkpoint: validation loss / accuracy of the
 raw weights and of the EMA, each without and with flip TTA, the numbers the run itself logged for that
 epoch (the same as one of the columns when the checkpoint is an epoch's end: a check that this script
-evaluates what the run did), then one column per shift and per recalibration.
+evaluates what the run did), then one column per recalibration. (Shifted views, `tta_translate`, were measured
+with this script's --translate until 61300ae: docs/optimizations.md.)
 """
 
 import argparse
@@ -62,16 +61,16 @@ def recalibrated(eval_model, train_set, recipe: Recipe, world_size: int):
 
 
 @torch.no_grad()
-def evaluate_variants(models: dict, val: DeviceBatches, batch_size: int, bf16: bool, variants: list) -> dict:
-    """{(name, flip, shift): (mean loss, accuracy)} for each model and each (flip, shift) of `variants`, every
-    one through cifar_wrn.evaluation.tta_logits (the logits validation scores), one forward pass per distinct view."""
-    sums = {(name, *v): torch.zeros(2, dtype=torch.float64) for name in models for v in variants}
+def evaluate_variants(models: dict, val: DeviceBatches, batch_size: int, bf16: bool) -> dict:
+    """{(name, flip): (mean loss, accuracy)} for each model without and with flip TTA, both through
+    cifar_wrn.evaluation.tta_logits (the logits validation scores), one forward pass per distinct view."""
+    sums = {(name, flip): torch.zeros(2, dtype=torch.float64) for name in models for flip in (False, True)}
     for start in range(0, len(val), batch_size):
         images, labels = val[torch.arange(start, min(start + batch_size, len(val)))]
         caches = {name: {} for name in models}
-        for (name, flip, shift), total in sums.items():
+        for (name, flip), total in sums.items():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logits = tta_logits(models[name], images, flip, shift, caches[name])
+                logits = tta_logits(models[name], images, flip, caches[name])
             loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
             total += torch.stack([loss, (logits.argmax(1) == labels).sum().double()])
     return {key: (s[0].item() / len(val), s[1].item() / len(val)) for key, s in sums.items()}
@@ -84,14 +83,6 @@ def main():
     p.add_argument("--val-subset", type=int, help="only the first N validation images (tests)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument(
-        "--translate",
-        type=int,
-        action="append",
-        default=[],
-        metavar="PIXELS",
-        help="also the EMA (else raw) with flip TTA plus this shift (tta_translate); repeatable",
-    )
-    p.add_argument(
         "--recalibrate",
         type=int,
         action="append",
@@ -103,9 +94,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     val_images, val_labels = load_split(args.data_dir, train=False, subset=args.val_subset)
-    extra_names = [f"EMA (or raw) + flip + shift {t}" for t in args.translate] + [
-        f"EMA (or raw), BN recalibrated on {n} + flip" for n in args.recalibrate
-    ]
+    extra_names = [f"EMA (or raw), BN recalibrated on {n} + flip" for n in args.recalibrate]
     print(
         "| checkpoint | where | raw | raw + flip TTA | EMA | EMA + flip TTA | logged |"
         + "".join(f" {name} |" for name in extra_names)
@@ -120,35 +109,28 @@ def main():
         if recipe["channels_last"]:
             models = {k: m.to(memory_format=torch.channels_last) for k, m in models.items()}
         val = DeviceBatches(val_images, val_labels, "cpu", augment=False, channels_last=recipe["channels_last"])
-        shifted = "ema" if "ema" in models else "raw"  # the shifted views only for the network the run scores
-        variants = {
-            name: [(False, 0), (True, 0)] + ([(True, t) for t in args.translate] if name == shifted else [])
-            for name in models
-        }
+        scored = "ema" if "ema" in models else "raw"  # the network the run scores
+        bf16 = recipe["precision"] == "bf16"
         result = {
             key: value
             for name, model in models.items()
-            for key, value in evaluate_variants(
-                {name: model}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", variants[name]
-            ).items()
+            for key, value in evaluate_variants({name: model}, val, recipe["eval_batch_size"], bf16).items()
         }
         cells = [
-            f"{result[name, tta, 0][0]:.3f} / {result[name, tta, 0][1]:.4f}" if name in models else "no EMA"
+            f"{result[name, tta][0]:.3f} / {result[name, tta][1]:.4f}" if name in models else "no EMA"
             for name in ("raw", "ema")
             for tta in (False, True)
         ]
-        extra = [f"{result[shifted, True, t][0]:.3f} / {result[shifted, True, t][1]:.4f}" for t in args.translate]
+        extra = []
         if args.recalibrate:
             train_set = DeviceBatches(
                 *load_split(args.data_dir, train=True, subset=ckpt["train_images"]), "cpu", augment=False
             )
         for images in args.recalibrate:
             network = recalibrated(
-                models[shifted], train_set, Recipe(**{**recipe, "bn_recalibration": images}), ckpt["world_size"]
+                models[scored], train_set, Recipe(**{**recipe, "bn_recalibration": images}), ckpt["world_size"]
             )
-            loss, accuracy = evaluate_variants(
-                {"r": network}, val, recipe["eval_batch_size"], recipe["precision"] == "bf16", [(True, 0)]
-            )["r", True, 0]
+            loss, accuracy = evaluate_variants({"r": network}, val, recipe["eval_batch_size"], bf16)["r", True]
             extra.append(f"{loss:.3f} / {accuracy:.4f}")
         # A checkpoint at step 0 of epoch e + 1 is the end of epoch e; its history ends with that epoch.
         logged = ckpt["history"][-1] if ckpt["history"] else None

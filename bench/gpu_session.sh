@@ -11,8 +11,7 @@
 #   2b. startup: epoch 1 against epoch 2 with and without fast.yaml's start-up warm-up (bench/startup.py, issue #44);
 #   3. sweep: one bench/gpu_sweep.sh call, four runs at a time (accuracy only; sharing the GPU changes no
 #      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 44's epoch-3
-#      candidates at seeds 0-1 (bench/levers-44.txt), then issue 25's levers at seeds 0-2 (bench/levers-25.txt),
-#      seed by seed; lines past the deadline are not started;
+#      candidates at seeds 0-1 (bench/levers-44.txt), seed by seed; lines past the deadline are not started;
 #   4. seeds_summary: bench/seeds_summary.py --group over every log: fast.yaml's ten seeds (the largest group,
 #      the reference) per epoch with mean / min / max / std and the criterion count, then each lever apart.
 # Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
@@ -75,7 +74,7 @@ step startup 100 bash -c "set -o pipefail; python3 bench/startup.py --data-dir '
 
 levers="$STAGE/levers.txt"
 python3 bench/seeds.py --seeds 9 --first 1 --emit > "$levers"
-cat bench/levers-44.txt bench/levers-25.txt >> "$levers"   # issue 44's epoch-3 candidates first
+cat bench/levers-44.txt >> "$levers"   # issue 44's epoch-3 candidates
 sweep_deadline=$((DEADLINE - SECONDS - 30))   # room for the summary and the last tarball
 step sweep $((sweep_deadline + 20)) env OUT="$OUT/sweep" DEADLINE="$sweep_deadline" \
     bash bench/gpu_sweep.sh "$COMMIT" "$levers" "$DATA"

@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_wrn.data import CIFAR10, load_split  # noqa: E402
-from cifar_wrn.model import WideResNet, init_residual_bn  # noqa: E402
+from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.optim import build_optimizer  # noqa: E402
 from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
 from cifar_wrn.recipe import load_recipe, parse_set  # noqa: E402
@@ -50,7 +50,7 @@ def main():
     torch.manual_seed(args.seed)
     images, labels = load_split(args.data_dir, train=True)
     fmt = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    model = init_residual_bn(WideResNet(), recipe.residual_bn_init).to(device, memory_format=fmt).train()
+    model = WideResNet().to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, args.max_lr)
     if recipe.data_pipeline == "device":
         data = DeviceBatches(
@@ -59,12 +59,11 @@ def main():
             device,
             augment=recipe.augment,
             channels_last=recipe.channels_last,
-            crop_padding=recipe.crop_padding,
         )
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
         loader = DataLoader(
-            CIFAR10(images, labels, augment=recipe.augment, crop_padding=recipe.crop_padding),
+            CIFAR10(images, labels, augment=recipe.augment),
             batch_size=batch_size,
             shuffle=True,
             drop_last=True,

@@ -3,7 +3,7 @@
     # GPU: the seeds go through bench/gpu_sweep.sh (four at a time on one GPU, fast.yaml at batch_size=256),
     # as lever lines `[KEY=VALUE ...] seed=K`; OUT, DATA, DEADLINE, PARALLEL are gpu_sweep.sh's
     python bench/seeds.py --seeds 10 --gpu "$(git rev-parse --short HEAD)"
-    python bench/seeds.py --seeds 3 --first 0 --set muon=true --emit >> levers.txt   # only print the lines
+    python bench/seeds.py --seeds 3 --first 0 --set ema_decay=0.98 --emit >> levers.txt   # only print the lines
 
     # CPU: one run after another with raw_ddp.py (each resumable: --checkpoint-dir, --auto-resume); flags this
     # script does not know go to raw_ddp.py

@@ -32,7 +32,7 @@ from cifar_wrn.cli import free_port  # noqa: E402
 from cifar_wrn.data import SkipFirst  # noqa: E402
 from cifar_wrn.ema import build_ema  # noqa: E402
 from cifar_wrn.errors import UserError  # noqa: E402
-from cifar_wrn.model import WideResNet, init_residual_bn  # noqa: E402
+from cifar_wrn.model import WideResNet  # noqa: E402
 from cifar_wrn.optim import build_training  # noqa: E402
 from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
 from cifar_wrn.recipe import load_recipe, parse_set  # noqa: E402
@@ -64,9 +64,7 @@ def training_step(recipe, device, model_width: int):
     """raw_ddp.py's step (data, forward, backward, clip, optimizer, scheduler, EMA, StepGuard), phase by phase."""
     torch.manual_seed(recipe.seed)
     memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    raw_model = init_residual_bn(WideResNet(width=model_width), recipe.residual_bn_init).to(
-        device, memory_format=memory_format
-    )
+    raw_model = WideResNet(width=model_width).to(device, memory_format=memory_format)
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark
     model = DDP(
         raw_model,
@@ -82,7 +80,6 @@ def training_step(recipe, device, model_width: int):
         device,
         augment=recipe.augment,
         channels_last=recipe.channels_last,
-        crop_padding=recipe.crop_padding,
     )
     # as raw_ddp.py's: the epoch's batches go to the device in one copy (SkipFirst over a DistributedSampler)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=recipe.seed)

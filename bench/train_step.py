@@ -1,6 +1,6 @@
 """Training-step images/sec of the fast recipe against the baseline recipe, same device, real model.
 
-    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation] [--levers]
+    python bench/train_step.py [--device cpu|cuda] [--threads N] [--steps 3] [--fast-batch 256] [--ablation]
     python bench/train_step.py --device cpu --fp32 --fast-batch 32 --warmup 1 --steps 1 --repeats 1   # a CPU's bf16
 
 One process, no DDP: this isolates what the recipe changes per step (precision, memory layout,
@@ -9,9 +9,7 @@ then --steps timed steps of forward + backward + SGD step on the real WideResNet
 with batches from that recipe's own data pipeline. The two recipes alternate --repeats times and
 the best rate of each is kept; the ratio fast / baseline comes from the same run. --ablation adds
 the steps in between (baseline + bf16, + channels_last, + the fast batch size, + the on-device
-pipeline = fast), each against the baseline of the same run. --levers adds the fast recipe with each
-lever of docs/optimizations.md 14 on (Muon, Lookahead, the BatchNorm rates, alternating flips), each
-against the fast recipe of the same run (column "vs fast"). --fp32 adds the fast recipe in fp32: whether
+pipeline = fast), each against the baseline of the same run. --fp32 adds the fast recipe in fp32: whether
 this device's bf16 is fast at all (a CPU without AVX-512 has no bfloat16 kernels; raw_ddp.py warns of it).
 """
 
@@ -26,17 +24,10 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from cifar_wrn.data import CIFAR10
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, scaled_lr
-from cifar_wrn.pipeline import DeviceBatches, alternating_flips
+from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import load_recipe
 
 CLOCK = time.perf_counter  # or time.process_time with --clock cpu
-
-LEVERS = {
-    "muon": dict(muon=True),
-    "lookahead 5": dict(lookahead_steps=5),
-    "BN bias x16, scales frozen": dict(bn_bias_lr_scale=16.0, freeze_bn_scale=True),
-    "alternating flips": dict(alternating_flip=True),
-}  # the bench augments every recipe, fast.yaml too
 
 
 def setup(recipe, batch_size, device, images, labels):
@@ -45,8 +36,7 @@ def setup(recipe, batch_size, device, images, labels):
     model = WideResNet().to(device, memory_format=fmt).train()
     optimizer = build_optimizer(model, recipe, scaled_lr(recipe, batch_size))
     if recipe.data_pipeline == "device":
-        flips = alternating_flips(len(labels), 0) if recipe.alternating_flip else None
-        data = DeviceBatches(images, labels, device, augment=True, channels_last=recipe.channels_last, flips=flips)
+        data = DeviceBatches(images, labels, device, augment=True, channels_last=recipe.channels_last)
         loader = DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch_size, True))
     else:
         loader = DataLoader(
@@ -94,7 +84,6 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fast-batch", type=int, help="per-process batch of the fast recipe (default: the recipe's)")
     p.add_argument("--ablation", action="store_true", help="also time the steps from baseline to fast one by one")
-    p.add_argument("--levers", action="store_true", help="also time fast.yaml with each lever of optimizations.md 14")
     p.add_argument("--fp32", action="store_true", help="also time fast.yaml with precision fp32")
     args = p.parse_args()
     global CLOCK
@@ -115,9 +104,6 @@ def main():
     recipes["fast"], batch["fast"] = fast, fast_batch
     if args.fp32:
         recipes["fast in fp32"], batch["fast in fp32"] = dataclasses.replace(fast, precision="fp32"), fast_batch
-    if args.levers:
-        for name, overrides in LEVERS.items():
-            recipes[f"fast + {name}"], batch[f"fast + {name}"] = dataclasses.replace(fast, **overrides), fast_batch
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # for all: only the recipe differences are measured
     steps = {name: setup(recipes[name], batch[name], device, images, labels) for name in recipes}

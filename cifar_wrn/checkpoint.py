@@ -310,6 +310,58 @@ def _loading(where, action) -> None:
         raise CheckpointError(f"{where} was found but cannot be loaded into this run ({why(exc)})") from None
 
 
+def rank_rng(device, generator) -> dict:
+    """raw_ddp.py: this rank's random streams (torch, CUDA, the device pipeline's), for rank 0's checkpoint."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "pipeline": None if generator is None else generator.get_state(),
+    }
+
+
+def raw_state(run, progress, finished: bool, every_rng: list, recipe: dict, model_width: int) -> dict:
+    """raw_ddp.py: everything needed to continue at `progress` (run: raw_ddp.py's TrainingRun)."""
+    return {
+        "model": run.raw_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "ema": run.eval_model.state_dict() if run.eval_model is not run.raw_model else None,
+        **progress.as_dict(),
+        "finished": finished,
+        "rng": every_rng,
+        "recipe": recipe,
+        "world_size": run.world_size,
+        "model_width": model_width,
+        "architecture": ARCHITECTURE,
+        **run.data.sizes(),
+    }
+
+
+def accel_state(run, progress, finished: bool, pipeline: list, recipe: dict, model_width: int) -> dict:
+    """accel_train.py: what save_state does not hold (run: accel_train.py's TrainingRun)."""
+    return {
+        **progress.as_dict(),
+        "finished": finished,
+        "pipeline": pipeline,
+        "recipe": recipe,
+        "world_size": run.world_size,
+        "model_width": model_width,
+        "architecture": ARCHITECTURE,
+        **run.data.sizes(),
+        "device": run.device.type,
+        "ema": run.eval_model.state_dict() if run.eval_model is not run.raw_model else None,
+    }
+
+
+def resuming_line(where, progress, steps_per_epoch: int, finished: bool) -> str:
+    """What rank 0 prints on a resume."""
+    line = (
+        f"Resuming from {where}: epoch {progress.epoch + 1}, step {progress.step} of {steps_per_epoch}, "
+        f"Cumulative Time = {progress.cumulative_time:.3f}"
+    )
+    return line + ("\nNothing to do: that run had already finished" if finished else "")
+
+
 def restore_raw(checkpoint: dict, run) -> None:
     """raw_ddp.py: this rank's part of `checkpoint` into `run` (raw_ddp.py's TrainingRun): weights, states, streams."""
     rank, device, raw_model, eval_model = run.rank, run.device, run.raw_model, run.eval_model

@@ -247,7 +247,6 @@ class CIFAR10(Dataset):
         images: torch.Tensor,
         labels: torch.Tensor,
         augment: bool,
-        crop_padding: int = 4,
         augmentation: str = "crop_flip",
         normalization: str = "cifar",
     ):
@@ -265,7 +264,7 @@ class CIFAR10(Dataset):
                 v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
             ]
         else:
-            steps = ([v2.RandomCrop(32, padding=crop_padding)] if crop_padding else []) + [v2.RandomHorizontalFlip()]
+            steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
         mean, std = NORMALIZATION[normalization]
         self.transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
@@ -285,14 +284,13 @@ class SkipFirst(Sampler):
         self.batches, self.skip = batches, 0
 
     def __iter__(self):
-        sampler = getattr(self.batches, "sampler", None)
-        dataset = getattr(sampler, "dataset", None)
+        dataset = getattr(getattr(self.batches, "sampler", None), "dataset", None)
+        device = getattr(dataset, "device", None)  # DeviceBatches'
         remaining = itertools.islice(iter(self.batches), self.skip, None)
-        if not hasattr(dataset, "epoch"):
+        if device is None:
             return remaining
-        dataset.epoch = getattr(sampler, "epoch", 0)  # DeviceBatches: alternating flips need the epoch
         batches = list(remaining)  # drop_last: all of one size
-        return iter(torch.tensor(batches, device=dataset.device) if batches else [])
+        return iter(torch.tensor(batches, device=device) if batches else [])
 
     def __len__(self) -> int:
         return len(self.batches) - self.skip

@@ -10,35 +10,15 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
     return positions < len(sampler.dataset)
 
 
-def tta_weights(flip: bool = False, translate: int = 0) -> dict:
-    """{(shift, mirrored): weight} of the TTA views; powers of two, so bf16 means round exactly."""
-    shifts = {0: 1.0} if translate == 0 else {0: 0.5, translate: 0.25, -translate: 0.25}
-    mirrors = {False: 0.5, True: 0.5} if flip else {False: 1.0}
-    return {(shift, mirrored): ws * wm for shift, ws in shifts.items() for mirrored, wm in mirrors.items()}
-
-
-def tta_view(images: torch.Tensor, shift: int, mirrored: bool) -> torch.Tensor:
-    """The batch shifted `shift` pixels down-right, reflection-padded (the model may never see zero borders),
-    then mirrored if asked."""
-    if shift != 0:
-        t, (h, w) = abs(shift), images.shape[-2:]
-        layout = (
-            torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-        )
-        padded = torch.nn.functional.pad(images, (t, t, t, t), mode="reflect")
-        images = (padded[..., :h, :w] if shift > 0 else padded[..., 2 * t :, 2 * t :]).contiguous(memory_format=layout)
-    return images.flip(3) if mirrored else images
-
-
-def tta_logits(model, images: torch.Tensor, flip: bool = False, translate: int = 0, cache: dict | None = None):
-    """Weighted mean (in fp32) of the logits over tta_weights' views; `cache` reuses them across calls."""
+def tta_logits(model, images: torch.Tensor, flip: bool = False, cache: dict | None = None) -> torch.Tensor:
+    """The logits validation scores: with `flip`, the mean (in fp32) of the batch's and its mirror's, the same
+    weights as the model's own; `cache` ({mirrored: logits}) reuses the views across calls."""
     cache = {} if cache is None else cache
-    total = 0
-    for (shift, mirrored), weight in tta_weights(flip, translate).items():
-        if (shift, mirrored) not in cache:
-            cache[shift, mirrored] = model(tta_view(images, shift, mirrored))
-        total = total + weight * cache[shift, mirrored].float()  # fp32 mean of bf16 views, as in both trainers
-    return total
+    views = (False, True) if flip else (False,)
+    for mirrored in views:
+        if mirrored not in cache:
+            cache[mirrored] = model(images.flip(3) if mirrored else images)
+    return sum(cache[mirrored].float() for mirrored in views) / len(views)  # fp32 mean of bf16 views
 
 
 @torch.no_grad()
@@ -49,7 +29,6 @@ def evaluate(
     device,
     autocast_dtype=None,
     tta_flip: bool = False,
-    tta_translate: int = 0,
     gather=None,
 ) -> torch.Tensor:
     """float64 [loss_sum, correct, count] over real samples (`mask`, or `gather` drops padding): sums reduce
@@ -60,7 +39,7 @@ def evaluate(
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits = tta_logits(model, images, tta_flip, tta_translate)
+            logits = tta_logits(model, images, tta_flip)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(1) == labels).double()
         if gather is not None:

@@ -87,15 +87,5 @@ class WideResNet(nn.Module):
         return self.fc(out)
 
 
-@torch.no_grad()
-def init_residual_bn(model: nn.Module, weight: float) -> nn.Module:
-    """Set each residual block's last BatchNorm gamma (`layer2`'s) to `weight`: an init, not an architecture change.
-    Not 0: the block ends BN -> ReLU, and a zero gamma would pass no gradient and never train."""
-    for block in model.modules():
-        if isinstance(block, conv_block):
-            block.layer2.cbr[1].weight.fill_(weight)
-    return model
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

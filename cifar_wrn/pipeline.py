@@ -8,7 +8,6 @@ from .data import CIFAR10, NORMALIZATION, DataError
 
 def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
     if recipe.data_pipeline == "device":
-        flips = alternating_flips(len(train_data[1]), recipe.seed) if recipe.alternating_flip else None
         return (
             DeviceBatches(
                 *train_data,
@@ -16,8 +15,6 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
                 augment=recipe.augment,
                 seed=recipe.seed + rank,
                 channels_last=recipe.channels_last,
-                crop_padding=recipe.crop_padding,
-                flips=flips,
                 normalization=recipe.normalization,
             ),
             DeviceBatches(
@@ -28,7 +25,6 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
         CIFAR10(
             *train_data,
             augment=recipe.augment,
-            crop_padding=recipe.crop_padding,
             augmentation=recipe.augmentation,
             normalization=recipe.normalization,
         ),
@@ -36,27 +32,17 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
     )
 
 
-def alternating_flips(images: int, seed: int) -> torch.Tensor:
-    """airbench's alternating flip: image i is mirrored in epoch e when bit i XOR (e mod 2) is 1."""
-    return torch.randint(0, 2, (images,), generator=torch.Generator().manual_seed(seed)).bool()
-
-
-def random_crop_flip(
-    images: torch.Tensor, generator: torch.Generator, pad: int = 4, flip: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Random crop and flip of a whole uint8 batch at once; `flip` (bool [B]) replaces the coin toss."""
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Random crop (`pad` pixels of zeros around) and flip of a whole uint8 batch at once."""
     n, c, h, w = images.shape
     device = images.device
-    if pad == 0:
-        flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
-        return torch.where(flip[:, None, None, None], images.flip(3), images)
     padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
     dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
     dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
     rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
     cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
     crops = padded.gather(2, rows).gather(3, cols)
-    flip = torch.rand(n, device=device, generator=generator) < 0.5 if flip is None else flip
+    flip = torch.rand(n, device=device, generator=generator) < 0.5
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
 
 
@@ -95,14 +81,11 @@ class DeviceBatches(Dataset):
         augment: bool,
         seed: int = 0,
         channels_last: bool = False,
-        crop_padding: int = 4,
-        flips: torch.Tensor | None = None,
         normalization: str = "cifar",
     ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
-        self.flips, self.epoch = None if flips is None else flips.to(self.device), 0
-        self.augment, self.channels_last, self.crop_padding = augment, channels_last, crop_padding
+        self.augment, self.channels_last = augment, channels_last
         mean, std = NORMALIZATION[normalization]
         self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
@@ -116,8 +99,7 @@ class DeviceBatches(Dataset):
         index = torch.as_tensor(indices, device=self.device)
         images = self.images[index]
         if self.augment:
-            flip = None if self.flips is None else self.flips[index] ^ bool(self.epoch % 2)
-            images = random_crop_flip(images, self.generator, self.crop_padding, flip)
+            images = random_crop_flip(images, self.generator)
         images = (images.float() - self.mean) / self.std
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

@@ -31,8 +31,6 @@ class Recipe:
     reference_batch_size: int = 32  # global batch at which base_lr was tuned
     lr_schedule: str = "constant"  # constant | warmup_linear (linear decay to 0)
     warmup_epochs: float = 0.0  # epochs of warmup
-    anneal_epochs: float = 0.0  # decay reaches 0 here (0 = at `epochs`)
-    residual_bn_init: float = 1.0  # initial gamma of each residual's last BN
     # --- optimizer and loss
     momentum: float = 0.0  # SGD momentum
     nesterov: bool = False
@@ -49,7 +47,6 @@ class Recipe:
     augment: bool = True  # augment the training images (as `augmentation` says)
     augmentation: str = "crop_flip"  # crop_flip (random crop + flip) | course (the course script's transform_train)
     normalization: str = "cifar"  # cifar (CIFAR-10 mean/std) | course (Normalize 0.5, 0.5)
-    crop_padding: int = 4  # crop padding, pixels (0 = flips only)
     num_workers: int = 4  # DataLoader workers per process
     eval_batch_size: int = 500  # images per process per validation step
     seed: int = 0  # augmentation uses seed + rank
@@ -61,16 +58,7 @@ class Recipe:
     sync_bn: bool = False
     compile: bool = False
     tta_flip: bool = False  # also evaluate flips (changes the metric)
-    tta_translate: int = 0  # also evaluate shifts of this many pixels (0 = off)
     bn_recalibration: int = 0  # images to re-estimate BN stats before eval (0 = off)
-    muon: bool = False  # Muon for the 4-D conv kernels
-    muon_lr: float = 0.24  # kernels' lr with muon (not batch-scaled)
-    muon_momentum: float = 0.6  # kernels' momentum with muon
-    bn_bias_lr_scale: float = 1.0  # extra lr multiplier for BN biases
-    freeze_bn_scale: bool = False  # BN gammas stay at their initial value
-    lookahead_steps: int = 0  # Lookahead period, steps (0 = off)
-    lookahead_alpha: float = 0.5  # Lookahead pull fraction
-    alternating_flip: bool = False  # flip each image every other epoch
 
 
 CHOICES = {
@@ -153,7 +141,7 @@ def check_recipe(r: Recipe) -> None:
         problems.append(f"base_lr must be a positive number (got {r.base_lr})")
     if not 0.0 <= r.target_accuracy <= 1.0:
         problems.append(f"target_accuracy is a fraction between 0 and 1 (got {r.target_accuracy})")
-    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "anneal_epochs", "extra_epochs"):
+    for key in ("weight_decay", "warmup_epochs", "grad_clip_norm", "extra_epochs"):
         if getattr(r, key) < 0:
             problems.append(f"{key} must be >= 0 (got {getattr(r, key)})")
     for key in ("momentum", "label_smoothing"):
@@ -165,50 +153,16 @@ def check_recipe(r: Recipe) -> None:
             f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
             f"and never decay; lower warmup_epochs or raise epochs"
         )
-    if r.lr_schedule == "warmup_linear" and 0 < r.anneal_epochs <= r.warmup_epochs:
-        problems.append(
-            f"anneal_epochs {r.anneal_epochs:g} must be longer than warmup_epochs {r.warmup_epochs:g}: "
-            f"the decay starts where the warmup ends"
-        )
-    if r.extra_epochs > 0 and r.lr_schedule == "warmup_linear" and 0 < r.anneal_epochs < r.epochs:
-        problems.append(
-            f"extra_epochs replays the budget's last epoch, and with anneal_epochs {r.anneal_epochs:g} < epochs "
-            f"{r.epochs} the decay has ended before it: all or part of each extra epoch would train at learning rate "
-            f"0; set extra_epochs: 0, or anneal_epochs: 0 (the decay ends with the budget)"
-        )
-    if not 0 < r.residual_bn_init <= 1:
-        problems.append(
-            f"residual_bn_init must be in (0, 1] (got {r.residual_bn_init:g}; 0 never trains: the body ends BN -> ReLU)"
-        )
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
     if not 0.0 <= r.ema_decay < 1.0:
         problems.append(f"ema_decay must be in [0, 1) (got {r.ema_decay})")
     if not r.bn_lr_scale > 0 or not math.isfinite(r.bn_lr_scale):
         problems.append(f"bn_lr_scale must be a positive number (got {r.bn_lr_scale})")
-    if not 0 <= r.crop_padding <= 16:
-        problems.append(f"crop_padding must be in 0..16 pixels (got {r.crop_padding}; 0 = flips only)")
     if r.startup_steps < 0:
         problems.append(f"startup_steps is a number of warm-up steps, >= 0 (got {r.startup_steps}; 0 = off)")
     if r.bn_recalibration < 0:
         problems.append(f"bn_recalibration is a number of training images, >= 0 (got {r.bn_recalibration}; 0 = off)")
-    if not 0 <= r.tta_translate <= 8:
-        problems.append(f"tta_translate must be in 0..8 pixels (got {r.tta_translate}; 0 = off)")
-    if not r.muon_lr > 0 or not math.isfinite(r.muon_lr):
-        problems.append(f"muon_lr must be a positive number (got {r.muon_lr})")
-    if not 0.0 <= r.muon_momentum < 1.0:
-        problems.append(f"muon_momentum must be in [0, 1) (got {r.muon_momentum})")
-    if not r.bn_bias_lr_scale > 0 or not math.isfinite(r.bn_bias_lr_scale):
-        problems.append(f"bn_bias_lr_scale must be a positive number (got {r.bn_bias_lr_scale})")
-    if r.lookahead_steps < 0:
-        problems.append(f"lookahead_steps must be >= 0 (got {r.lookahead_steps}; 0 = off)")
-    if not 0.0 < r.lookahead_alpha <= 1.0:
-        problems.append(f"lookahead_alpha must be in (0, 1] (got {r.lookahead_alpha})")
-    if r.alternating_flip and not (r.augment and r.data_pipeline == "device"):
-        problems.append(
-            "alternating_flip needs augment: true and data_pipeline: device (the per-image pipeline's "
-            "workers never see the epoch)"
-        )
     if r.augment and r.augmentation == "course" and r.data_pipeline == "device":
         problems.append(
             "augmentation: course (rotation, affine, colour jitter per image) runs in the DataLoader's workers: "
@@ -225,6 +179,15 @@ def check_recipe(r: Recipe) -> None:
 
 def as_dict(recipe: Recipe) -> dict:
     return dataclasses.asdict(recipe)
+
+
+def autocast_options(recipe: Recipe, device) -> dict:
+    """torch.autocast's arguments for the recipe's precision: bfloat16 for bf16, else off."""
+    return dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
+
+
+def memory_format(recipe: Recipe) -> torch.memory_format:
+    return torch.channels_last if recipe.channels_last else torch.contiguous_format
 
 
 def slow_bf16_warning(device_type: str, precision: str) -> str | None:

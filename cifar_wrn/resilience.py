@@ -3,6 +3,7 @@
 Each agreement costs a GPU sync, yet they stay ~STOP_LATENCY s apart: Slurm kills 30 s after SIGTERM.
 """
 
+import os
 import signal
 from time import monotonic
 
@@ -31,6 +32,18 @@ def install_stop_handlers() -> None:
     """Both mean "checkpoint and stop", never "die now"."""
     signal.signal(signal.SIGUSR1, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+
+
+def pass_on_stop_signals(processes: list) -> None:
+    """The launching process: SIGUSR1 or SIGTERM to it goes on to each live rank as SIGUSR1 (checkpoint and stop)."""
+
+    def pass_on(signum, frame):
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, pass_on)
+    signal.signal(signal.SIGTERM, pass_on)
 
 
 class StepGuard:

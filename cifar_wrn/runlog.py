@@ -159,7 +159,7 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
 
 
 def open_run_log(
-    path, progress: Progress, *, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
+    path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
 ) -> "JsonLog":
     """Rank 0's JSON log (path None elsewhere; appended to on resume), opened with its header."""
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters

@@ -389,17 +389,15 @@ def profile_flags(out: Path) -> list:
 FAST_2_EPOCHS = ["--recipe", "fast", "--batch-size", 32, "--epochs", 2, "--set", "extra_epochs=0"]
 
 # The fast recipe's options that both trainers' end-to-end tests add (tests/test_fast.py, tests/test_accel.py):
-# EMA, DDP bucket view and static graph, bf16 gradient compression, flip and 1-pixel shift TTA, augmentation with
-# 2-pixel crop padding, a doubled rate for BatchNorm parameters, BatchNorm recalibration on 100 training images.
+# EMA, DDP bucket view and static graph, bf16 gradient compression, flip TTA, augmentation (random crop and flip),
+# a doubled rate for BatchNorm parameters, BatchNorm recalibration on 100 training images.
 EVERY_OPTION = [
     "ema_decay=0.9",
     "ddp_bucket_view=true",
     "ddp_static_graph=true",
     "grad_compression=bf16",
     "tta_flip=true",
-    "tta_translate=1",
     "augment=true",
-    "crop_padding=2",
     "bn_lr_scale=2",
     "bn_recalibration=100",
 ]
@@ -467,9 +465,8 @@ def check_profile(log_path, trace_dir):
     assert traces == ["rank0", "rank1"]
 
 
-def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir, tta_translate: int = 1):
-    """The last logged validation metrics (bf16, flip and `tta_translate`-pixel shift TTA) equal one process
-    evaluating the saved weights."""
+def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
+    """The last logged validation metrics (bf16, flip TTA) equal one process evaluating the saved weights."""
     from torch.utils.data import BatchSampler, DataLoader
 
     from cifar_wrn.data import load_split
@@ -490,7 +487,6 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir, tta_transl
         torch.device("cpu"),
         torch.bfloat16,
         tta_flip=True,
-        tta_translate=tta_translate,
     )
     assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
@@ -538,16 +534,6 @@ def check_slow_bf16_warning(stderr: str):
         assert stderr.count(warning) == 1, stderr[-3000:]
     else:
         assert "without bfloat16 kernels" not in stderr, stderr[-3000:]
-
-
-def check_residual_bn_init(weights_path, gamma: float):
-    """Each residual body's last BatchNorm starts at gamma, every other BatchNorm at PyTorch's 1."""
-    state = torch.load(weights_path)
-    last = {k for k in state if re.fullmatch(r"block\d\.layer2\.cbr\.1\.weight", k)}
-    others = {k for k in state if k.endswith(".weight") and state[k].ndim == 1} - last
-    assert len(last) == 6 and len(others) == 7  # the input block's BN and each block's layer1
-    assert all(torch.allclose(state[k], torch.full_like(state[k], gamma), atol=1e-6) for k in last)
-    assert all(torch.allclose(state[k], torch.ones_like(state[k]), atol=1e-6) for k in others)
 
 
 def parameter_distance(weights_a, weights_b, width: int = 4) -> float:

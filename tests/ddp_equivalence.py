@@ -5,7 +5,7 @@ Checks (results written as JSON to argv[1]):
 - equivalence: DDP over 2 ranks equals one process training on the two ranks' batches concatenated
   (BatchNorm and dropout removed: both make a rank's forward depend on its own batch or RNG).
 
-argv: result.json port [recipe keys as JSON, e.g. '{"muon": true}' (tests/test_levers.py)]
+argv: result.json port [recipe keys as JSON, e.g. '{"nesterov": true}']
 """
 
 import json

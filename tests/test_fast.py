@@ -18,7 +18,6 @@ from conftest import (
     VAL_IMAGES,
     check_bn_recalibrated,
     check_metrics_of_saved_weights,
-    check_residual_bn_init,
     check_slow_bf16_warning,
     cpu_env,
     data_flags,
@@ -133,15 +132,15 @@ def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     header, _ = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["ema_decay"] == 0 and header["recipe"]["precision"] == "bf16"
-    check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir, tta_translate=0)
+    check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
 
 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
-    flip and 1-pixel shift TTA, augmentation with 2-pixel crop padding, a doubled rate for BatchNorm
-    parameters and BatchNorm recalibration on 100 training images; the reported metrics equal a single-process
-    evaluation of the saved (EMA) weights, and bench/eval_variants.py, given the last checkpoint, finds the logged
-    number in its EMA + flip + shift 1 column, and recalibrating again changes little."""
+    flip TTA, augmentation, a doubled rate for BatchNorm parameters and BatchNorm recalibration on 100 training
+    images; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
+    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + flip column, and
+    recalibrating again changes little."""
     result = run_raw(
         "--num-gpus",
         2,
@@ -171,8 +170,6 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
             cifar_dir,
             "--val-subset",
             VAL_IMAGES,
-            "--translate",
-            1,
             "--recalibrate",
             100,
             tmp_path / "ckpt" / "checkpoint.pt",
@@ -181,23 +178,21 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert table.returncode == 0, table.stderr
     cells = [c.strip() for c in table.stdout.splitlines()[-1].strip("|").split("|")]
     assert cells[1] == "end of epoch 2" and cells[2] != cells[4]  # raw weights and EMA differ
-    (logged_loss, logged_acc), (shifted_loss, shifted_acc) = [map(float, c.split(" / ")) for c in cells[6:8]]
-    assert shifted_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)  # EMA + flip + shift 1: the run's
-    assert shifted_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
+    (flip_loss, flip_acc), (logged_loss, logged_acc) = [map(float, c.split(" / ")) for c in cells[5:7]]
+    assert flip_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)  # EMA + flip: the run's
+    assert flip_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
     # The run had recalibrated its EMA on the same images; doing it again changes only bf16 rounding.
-    recalibrated_loss, _ = map(float, cells[8].split(" / "))
+    recalibrated_loss, _ = map(float, cells[7].split(" / "))
     assert recalibrated_loss == pytest.approx(float(cells[5].split(" / ")[0]), abs=2e-2)
 
 
 @pytest.fixture(scope="module")
 def one_step_runs(cifar_dir, tmp_path_factory) -> Path:
-    """Two runs of one SGD step, both with residual_bn_init=0.2: start.pt at a learning rate of 1e-12 (the
-    initialisation, as made), clipped.pt at learning rate 1 with grad_clip_norm=0.001. clipped.pt is also the
-    1-epoch run of the anneal test: warmup_linear with anneal_epochs=1 gives its only step the factor 1 (the
-    decay reaches 0 after that step), the step a constant rate takes: one launch serves both tests."""
+    """Two runs of one SGD step: start.pt at a learning rate of 1e-12 (the initialisation, as made), clipped.pt at
+    learning rate 1 with grad_clip_norm=0.001 (warmup_linear over one step gives it the factor 1)."""
     folder = tmp_path_factory.mktemp("one_step")
     one_step(cifar_dir, folder / "start.pt", "--base-lr", 1e-12)
-    one_step(cifar_dir, folder / "clipped.pt", *CLIPPED, "--set", "anneal_epochs=1")
+    one_step(cifar_dir, folder / "clipped.pt", *CLIPPED)
     return folder
 
 
@@ -206,7 +201,7 @@ CLIPPED = ["--base-lr", 1.0, "--set", "grad_clip_norm=0.001", "--set", "lr_sched
 
 
 def one_step(cifar_dir, weights, *flags):
-    """ONE_STEP (1 step per epoch) on 2 processes with residual_bn_init=0.2; the final weights in `weights`."""
+    """ONE_STEP (1 step per epoch) on 2 processes; the final weights in `weights`."""
     result = run_raw(
         "--num-gpus",
         2,
@@ -214,8 +209,6 @@ def one_step(cifar_dir, weights, *flags):
         *ONE_STEP,
         "--data-dir",
         cifar_dir,
-        "--set",
-        "residual_bn_init=0.2",
         *flags,
         "--save",
         weights,
@@ -228,23 +221,6 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
     the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
     distance = parameter_distance(one_step_runs / "start.pt", one_step_runs / "clipped.pt")
     assert distance == pytest.approx(0.001, rel=1e-3)
-
-
-def test_anneal_epochs_freezes_the_weights_after_it(one_step_runs, cifar_dir, tmp_path):
-    """anneal_epochs=1 with a 2-epoch budget: epoch 2 trains at lr 0, so the parameters end where a 1-epoch run
-    (the fixture's clipped.pt: the same flags, --epochs 1) leaves them; without it the second epoch still moves
-    them (so the comparison can fail). (Clipping and residual_bn_init, there for the other tests, change
-    nothing here; the clipped steps make the second epoch's move certain: lr 0.5 x 0.001.)"""
-    one_step(cifar_dir, tmp_path / "two_annealed.pt", *CLIPPED, "--set", "anneal_epochs=1", "--epochs", 2)
-    one_step(cifar_dir, tmp_path / "two.pt", *CLIPPED, "--epochs", 2)
-    one = one_step_runs / "clipped.pt"
-    assert parameter_distance(one, tmp_path / "two_annealed.pt") == 0.0
-    assert parameter_distance(one, tmp_path / "two.pt") > 0.0
-
-
-def test_residual_bn_init_sets_the_last_batchnorm_of_each_body(one_step_runs):
-    """Through raw_ddp.py: one step at a learning rate of 1e-12 leaves the initialisation as it was made."""
-    check_residual_bn_init(one_step_runs / "start.pt", 0.2)
 
 
 def test_sync_bn_on_cpu_is_refused():

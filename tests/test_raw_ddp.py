@@ -53,6 +53,7 @@ COLLECTIVE_FUNCTIONS = [
     "build_data",
     "build_model",
     "train_process",
+    "train_epoch",
     "epoch_metrics",
     "validate",
     "average_over_ranks",
