@@ -850,7 +850,7 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
 
 def test_pdf_column_widths_share_the_page_by_content():
     """Widths in proportion to each column's text, none under its widest word, summing to the page's width."""
-    from cifar_wrn.report.pdf import column_widths, share_widths
+    from cifar_wrn.report.columns import column_widths, share_widths
 
     assert share_widths([10.0, 30.0], [0.0, 0.0], 80.0, minimum=0.0) == [20.0, 60.0]
     held = share_widths([1.0, 100.0, 99.0], [15.0, 0.0, 0.0], 100.0, minimum=5.0)
@@ -860,7 +860,8 @@ def test_pdf_column_widths_share_the_page_by_content():
     pdf = fpdf.FPDF(format="A4", unit="mm")
     pdf.add_page()
     where = "raw_ddp.py:" + ",".join(map(str, range(100, 130)))
-    widths = column_widths(pdf, ["step", "where", "why"], [["R1.1", where, "a why " * 40]], 7.5)
+    columns = [[("step", "B"), ("R1.1", "")], [("where", "B"), (where, "")], [("why", "B"), ("a why " * 40, "I")]]
+    widths = column_widths(pdf, columns, 7.5)
     pdf.set_font("Helvetica", "", 7.5)
     assert abs(sum(widths) - pdf.epw) < 1e-6 and widths[1] > pdf.get_string_width(where)  # one line: no break
     assert widths[2] > widths[0]  # the long text gets the room

@@ -37,5 +37,5 @@ The modules, one job each:
 - tables.py: the steps, scaling, profile, header and epoch tables;
 - demonstrate.py: Demonstrate 1-6;
 - topology.py: the topology as text and as a diagram; figures.py: the PNGs;
-- markdown.py: report.md; pdf.py: the PDF; cli.py: the command line.
+- markdown.py: report.md; pdf.py: the PDF, columns.py its tables' column widths; cli.py: the command line.
 """

@@ -6,9 +6,8 @@ process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-agains
 topology diagram, then the course's Demonstrate items 1-6 (the blocks report.md shows too). What only the
 student can write (every explanation) is a marked slot, or the student's own text from --notes. Everything
 else comes from the logs and the code: cli.py computes it (pdf_content, the dataclasses of content.py) and
-passes it in, so this module only lays it out and imports nothing of the report but content.py. Each table's
-column widths come from its content (column_widths): the page's width shared in proportion to each column's
-text, no column under its widest word.
+passes it in, so this module only lays it out and imports nothing of the report but content.py and columns.py
+(each table's column widths, from its content).
 
 fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
@@ -18,13 +17,11 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 from pathlib import Path
 
 from ..errors import UserError
+from .columns import CELL_PADDING, column_widths
 from .content import Bullets, Code, Image, PdfContent, Section, Slot, Table, Text
 
 MAX_PAGES = 4  # the course's limit
 INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"
-CELL_PADDING = 0.8  # mm inside a table cell, each side
-CELL_SLACK = 2 * CELL_PADDING + 0.6  # a cell's width beyond its text: the padding, and room for rounding
-MIN_COLUMN = 8.0  # mm: no column narrower
 GREY, RED, DARK = (110, 110, 110), (170, 40, 40), (30, 30, 30)
 # The PDF's core fonts (no font files to embed: a small PDF) cover Latin-1; the few other characters the
 # report uses are spelled out.
@@ -105,55 +102,18 @@ def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -
     pdf.multi_cell(0, lay.line, latin1(text), new_x="LMARGIN", new_y="NEXT", align="L")  # not justified: no wide gaps
 
 
-def _text_width(pdf, text: str, style: str, size: float) -> float:
-    pdf.set_font("Helvetica", style, size)
-    return pdf.get_string_width(text)
-
-
-def _cell_style(cell) -> str:
-    return "I" if _is_slot(cell) else ""
-
-
 def _is_slot(cell) -> bool:
     """A slot the student has not written yet: marked in the table."""
     return isinstance(cell, Slot) and not cell.written
 
 
-def _measure(pdf, head: list, rows: list[list], size: float) -> tuple[list[float], list[float]]:
-    """Per column: its natural width (the widest text on one line) and its floor (the widest word: a word is
-    never broken), in mm, padding included."""
-    natural, floor = [], []
+def _styled(head: list, rows: list[list]) -> list[list[tuple[str, str]]]:
+    """The table's columns as (text, font style) cells, as they will be drawn: headings bold, slots italic."""
+    columns = []
     for i, heading in enumerate(head):
-        cells = [(latin1(heading), "B")] + [(latin1(row[i]), _cell_style(row[i])) for row in rows if i < len(row)]
-        words = [(word, style) for text, style in cells for word in text.split()]
-        natural.append(max(_text_width(pdf, text, style, size) for text, style in cells) + CELL_SLACK)
-        floor.append(max([_text_width(pdf, w, style, size) for w, style in words], default=0) + CELL_SLACK)
-    return natural, floor
-
-
-def share_widths(natural: list[float], floor: list[float], total: float, minimum: float = MIN_COLUMN) -> list[float]:
-    """Widths summing to `total`, in proportion to each column's natural width, none under its floor (or
-    `minimum`): a column held at its floor leaves the rest to the others. When even the floors do not fit,
-    they are shrunk alike."""
-    floor = [max(f, minimum) for f in floor]
-    natural = [max(n, f) for n, f in zip(natural, floor)]
-    if sum(floor) >= total:
-        return [f * total / sum(floor) for f in floor]
-    held: set[int] = set()
-    while True:
-        free = total - sum(floor[i] for i in held)
-        weight = sum(natural[i] for i in range(len(natural)) if i not in held)
-        widths = [floor[i] if i in held else natural[i] * free / weight for i in range(len(natural))]
-        short = {i for i, w in enumerate(widths) if i not in held and w < floor[i]}
-        if not short:
-            return widths
-        held |= short
-
-
-def column_widths(pdf, head: list, rows: list[list], size: float) -> tuple[float, ...]:
-    """The table's column widths from its content, sharing the page's width (see share_widths)."""
-    natural, floor = _measure(pdf, head, rows, size)
-    return tuple(share_widths(natural, floor, pdf.epw))
+        cells = [(latin1(row[i]), "I" if _is_slot(row[i]) else "") for row in rows if i < len(row)]
+        columns.append([(latin1(heading), "B")] + cells)
+    return columns
 
 
 def _table(pdf, lay: Layout, head: list, rows: list[list], size: float | None = None) -> None:
@@ -162,7 +122,7 @@ def _table(pdf, lay: Layout, head: list, rows: list[list], size: float | None = 
     from fpdf.fonts import FontFace
 
     size = size or lay.table
-    widths = column_widths(pdf, head, rows, size)
+    widths = column_widths(pdf, _styled(head, rows), size)
     pdf.set_font("Helvetica", "", size)
     pdf.set_text_color(*DARK)
     mine = FontFace(emphasis="ITALICS", color=RED)
