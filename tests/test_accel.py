@@ -156,7 +156,7 @@ def test_entry_points_read_on_one_screen(name):
 def test_every_required_step_has_an_accelerate_counterpart():
     """Each `# R1.<n>` of raw_ddp.py (as the report reads them) has its `# A1.<n>` in accel_train.py, and
     docs/accelerate.md names every step: R1.1 itself, not only R1.10 or R1.11, which begin with it."""
-    from cifar_wrn.report import ddp_steps
+    from cifar_wrn.report.ddp_source import ddp_steps
 
     raw = {int(step.split(".")[1]) for step, _ in ddp_steps()}
     accel = {int(n) for n in re.findall(r"# A1\.(\d+)", (REPO / "accel_train.py").read_text())}

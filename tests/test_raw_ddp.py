@@ -41,7 +41,7 @@ from cifar_wrn.runlog import read_log
 def test_all_required_steps_are_tagged():
     """Every course step R1.1 ... R1.11 is tagged in raw_ddp.py, as the report reads the tags. (That mp.spawn
     starts the ranks is a run's to show: test_end_to_end_two_processes reads it from the log's header.)"""
-    from cifar_wrn.report import ddp_steps
+    from cifar_wrn.report.ddp_source import ddp_steps
 
     assert [step for step, _ in ddp_steps()] == [f"R1.{n}" for n in range(1, 12)]
 

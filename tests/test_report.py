@@ -9,7 +9,30 @@ import sys
 import pytest
 from conftest import REPO, TINY, raw_ddp
 
-from cifar_wrn import report
+from cifar_wrn.errors import UserError
+from cifar_wrn.report.changes import optimisations, recipe_changes
+from cifar_wrn.report.cli import main
+from cifar_wrn.report.content import where_text
+from cifar_wrn.report.ddp_source import code_lines, ddp_steps, statement_lines
+from cifar_wrn.report.featured import featured_text, main_run, printed_lines
+from cifar_wrn.report.figures import load_matplotlib
+from cifar_wrn.report.logs import LogError, label_runs, read_run
+from cifar_wrn.report.markdown import write_report
+from cifar_wrn.report.notes import EXPLAIN, read_notes
+from cifar_wrn.report.scaling import (
+    amdahl_speedup,
+    karp_flatt,
+    mean_images_per_sec,
+    parallel_efficiency,
+    profile_parts,
+    scaling,
+    speedup_by_throughput,
+    speedup_by_time,
+    stopping_epoch,
+    time_to_target,
+)
+from cifar_wrn.report.sharding import accelerate_shards, gradient_bytes, shards
+from cifar_wrn.report.topology import global_rank, topology_text
 
 EXACT = 1e-9
 
@@ -79,8 +102,8 @@ def logs(tmp_path):
 
 
 def rows_by_p(runs):
-    report.label_runs(runs)
-    sc = report.scaling(runs)
+    label_runs(runs)
+    sc = scaling(runs)
     return sc, {row["p"]: row for row in sc.rows}
 
 
@@ -89,37 +112,37 @@ def rows_by_p(runs):
 
 def test_formulas_against_hand_computed_values():
     # S = 300 / 240 = 1.25 on p = 2: E = 0.625, e = (1/1.25 - 1/2) / (1 - 1/2) = (0.8 - 0.5) / 0.5 = 0.6
-    assert abs(report.speedup_by_time(300.0, 240.0) - 1.25) < EXACT
-    assert abs(report.parallel_efficiency(1.25, 2) - 0.625) < EXACT
-    assert abs(report.karp_flatt(1.25, 2) - 0.6) < EXACT
+    assert abs(speedup_by_time(300.0, 240.0) - 1.25) < EXACT
+    assert abs(parallel_efficiency(1.25, 2) - 0.625) < EXACT
+    assert abs(karp_flatt(1.25, 2) - 0.6) < EXACT
     # Amdahl from e = 0.6: S(2) = 1/0.8, S(4) = 1/(0.6 + 0.1) = 1/0.7, S(8) = 1/(0.6 + 0.05) = 1/0.65
-    assert abs(report.amdahl_speedup(0.6, 2) - 1.25) < EXACT
-    assert abs(report.amdahl_speedup(0.6, 4) - 1 / 0.7) < EXACT
-    assert abs(report.amdahl_speedup(0.6, 8) - 1 / 0.65) < EXACT
+    assert abs(amdahl_speedup(0.6, 2) - 1.25) < EXACT
+    assert abs(amdahl_speedup(0.6, 4) - 1 / 0.7) < EXACT
+    assert abs(amdahl_speedup(0.6, 8) - 1 / 0.65) < EXACT
     # perfect scaling: e = 0 and Amdahl gives back n; no speedup at all: e = 1 and Amdahl gives 1
-    assert abs(report.karp_flatt(4.0, 4)) < EXACT and abs(report.amdahl_speedup(0.0, 8) - 8) < EXACT
-    assert abs(report.karp_flatt(1.0, 8) - 1.0) < EXACT and abs(report.amdahl_speedup(1.0, 8) - 1) < EXACT
+    assert abs(karp_flatt(4.0, 4)) < EXACT and abs(amdahl_speedup(0.0, 8) - 8) < EXACT
+    assert abs(karp_flatt(1.0, 8) - 1.0) < EXACT and abs(amdahl_speedup(1.0, 8) - 1) < EXACT
     # throughput: 950 / 500 = 1.9 on p = 2: e = (1/1.9 - 1/2) / (1/2) = 2/1.9 - 1 = 1/19
-    assert abs(report.speedup_by_throughput(500.0, 950.0) - 1.9) < EXACT
-    assert abs(report.karp_flatt(1.9, 2) - 1 / 19) < EXACT
+    assert abs(speedup_by_throughput(500.0, 950.0) - 1.9) < EXACT
+    assert abs(karp_flatt(1.9, 2) - 1 / 19) < EXACT
     with pytest.raises(ValueError):
-        report.karp_flatt(1.0, 1)  # undefined for one process
-    assert report.global_rank(1, 4, 2) == 6
+        karp_flatt(1.0, 1)  # undefined for one process
+    assert global_rank(1, 4, 2) == 6
 
 
 def test_time_to_target_and_not_reached():
     epochs = lambda accs: [{"cumulative_time": 10.0 * (i + 1), "val_accuracy": a} for i, a in enumerate(accs)]
-    assert report.time_to_target(epochs([0.5, 0.86, 0.87, 0.9]), 0.85, 2) == 30.0
-    assert report.time_to_target(epochs([0.86, 0.84, 0.86, 0.88]), 0.85, 2) == 40.0  # the streak restarts
-    assert report.time_to_target(epochs([0.5, 0.85]), 0.85, 1) == 20.0  # >= : exactly the target counts
-    assert report.time_to_target(epochs([0.86, 0.84, 0.86]), 0.85, 2) is None
-    assert report.time_to_target([], 0.85, 2) is None
-    assert report.stopping_epoch([0.9, 0.9, 0.9], 0.85, 3) == 2
-    assert report.mean_images_per_sec([{"images_per_sec": v} for v in (900.0, 950.0, 1000.0, 950.0)]) == 950.0
+    assert time_to_target(epochs([0.5, 0.86, 0.87, 0.9]), 0.85, 2) == 30.0
+    assert time_to_target(epochs([0.86, 0.84, 0.86, 0.88]), 0.85, 2) == 40.0  # the streak restarts
+    assert time_to_target(epochs([0.5, 0.85]), 0.85, 1) == 20.0  # >= : exactly the target counts
+    assert time_to_target(epochs([0.86, 0.84, 0.86]), 0.85, 2) is None
+    assert time_to_target([], 0.85, 2) is None
+    assert stopping_epoch([0.9, 0.9, 0.9], 0.85, 3) == 2
+    assert mean_images_per_sec([{"images_per_sec": v} for v in (900.0, 950.0, 1000.0, 950.0)]) == 950.0
 
 
 def test_scaling_by_time_when_every_run_reached_the_target(logs):
-    sc, rows = rows_by_p([report.read_run(logs["two"]), report.read_run(logs["one"])])
+    sc, rows = rows_by_p([read_run(logs["two"]), read_run(logs["one"])])
     assert sc.basis == "time" and sc.baseline.label == "one"
     assert [row["p"] for row in sc.rows] == [1, 2]  # ordered by world size
     assert rows[1]["time_to_target"] == 300.0 and rows[2]["time_to_target"] == 240.0
@@ -132,7 +155,7 @@ def test_scaling_by_time_when_every_run_reached_the_target(logs):
 
 
 def test_scaling_falls_back_to_throughput_when_a_run_misses_the_target(logs, tmp_path):
-    runs = [report.read_run(logs[k]) for k in ("one", "two", "four")]
+    runs = [read_run(logs[k]) for k in ("one", "two", "four")]
     sc, rows = rows_by_p(runs)
     assert sc.basis == "throughput"
     assert rows[4]["time_to_target"] is None
@@ -143,7 +166,7 @@ def test_scaling_falls_back_to_throughput_when_a_run_misses_the_target(logs, tmp
     assert abs(rows[4]["karp_flatt"] - 1 / 12) < EXACT
     assert abs(rows[4]["amdahl"][8] - 1 / (1 / 12 + (11 / 12) / 8)) < EXACT
 
-    path, _, _ = report.write_report(runs, tmp_path / "out", figures=False)
+    path, _, _ = write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
     assert "Speedup basis: mean Images/sec" in text and "not reached" in text
     assert "| speedup (images/sec) |" in text
@@ -155,9 +178,9 @@ def test_scaling_falls_back_to_throughput_when_a_run_misses_the_target(logs, tmp
 
 
 def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
-    runs = [report.read_run(logs[k]) for k in ("one", "two", "four")]
+    runs = [read_run(logs[k]) for k in ("one", "two", "four")]
     runs = [runs[0], runs[1]]
-    path, figures, skipped = report.write_report(runs, tmp_path / "out", figures=False)
+    path, figures, skipped = write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
     assert figures == [] and skipped
     assert "Speedup basis: Cumulative Time to target" in text and "| speedup (time to target) |" in text
@@ -183,19 +206,19 @@ def test_report_markdown_holds_tables_topology_and_header_facts(logs, tmp_path):
 
 
 def test_topology_text_ranks_and_ring():
-    text = report.topology_text(2, 4, "nccl", "cuda")
+    text = topology_text(2, 4, "nccl", "cuda")
     assert (
         "node 1: [cuda:0 local_rank 0 = rank 4] [cuda:1 local_rank 1 = rank 5] [cuda:2 local_rank 2 = rank 6] "
         "[cuda:3 local_rank 3 = rank 7]" in text
     )
     assert "ring: 0 -> 1 -> 2 -> 3 => 4 -> 5 -> 6 -> 7 => 0" in text  # => crosses between nodes
     assert "world size 8" in text
-    assert "no all-reduce" in report.topology_text(1, 1, "gloo", "cpu")
+    assert "no all-reduce" in topology_text(1, 1, "gloo", "cpu")
 
 
 def test_no_one_process_run_means_no_speedup_columns(logs, tmp_path):
-    runs = [report.read_run(logs["two"]), report.read_run(logs["four"])]
-    path, _, _ = report.write_report(runs, tmp_path / "out", figures=False)
+    runs = [read_run(logs["two"]), read_run(logs["four"])]
+    path, _, _ = write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
     assert "no 1-process run" in text
     assert "speedup" not in text.split("## Scaling")[1].split("\n\n")[1]  # the table has no speedup column
@@ -204,10 +227,10 @@ def test_no_one_process_run_means_no_speedup_columns(logs, tmp_path):
 
 def test_runs_that_differ_are_not_compared_and_say_why(logs, tmp_path):
     other = write_log(tmp_path / "other.jsonl", 1, 2, TWO, target=0.9)
-    runs = [report.read_run(logs["one"]), report.read_run(other)]
+    runs = [read_run(logs["one"]), read_run(other)]
     sc, rows = rows_by_p(runs)
     assert sc.basis is None and "speedup" not in rows[2] and "karp_flatt" not in rows[2]
-    path, _, _ = report.write_report(runs, tmp_path / "out", figures=False)
+    path, _, _ = write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
     assert (
         "**`other` is not compared with a 1-process run**: against `one` it differs in recipe (target_accuracy)"
@@ -245,12 +268,12 @@ def test_the_gpu_and_cpu_logs_of_this_project_get_no_speedup(tmp_path):
     result = run_report(RUNS / "h200-fast.jsonl", RUNS / "fast8.jsonl", "--out", out, "--no-figures")
     assert result.returncode == 0, result.stderr
     text = (out / "report.md").read_text()
-    scaling = text.split("## Scaling")[1].split("## Demonstrate 1")[0]
-    assert f"| fast8 | {' | '.join(scaling_cells(RUNS / 'fast8.jsonl'))} |\n" in scaling
-    assert "speedup" not in scaling.split("\n\n")[1]
+    section = text.split("## Scaling")[1].split("## Demonstrate 1")[0]
+    assert f"| fast8 | {' | '.join(scaling_cells(RUNS / 'fast8.jsonl'))} |\n" in section
+    assert "speedup" not in section.split("\n\n")[1]
     assert (
         "differs in recipe (base_lr, batch_size, bn_lr_scale, bn_recalibration, label_smoothing); device (cuda vs "
-        "cpu), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in scaling
+        "cpu), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in section
     )
     assert "Karp-Flatt e" not in text and "Amdahl S(" not in text
 
@@ -261,14 +284,14 @@ def test_a_comparable_pair_among_others_is_compared_and_a_slowdown_is_flagged(lo
     cpu = dict(backend="gloo", device="cpu")
     one = write_log(tmp_path / "cpu1.jsonl", 1, 1, [(10.0, 500.0, 0.5)], **cpu)
     two = write_log(tmp_path / "cpu2.jsonl", 1, 2, [(10.0, 400.0, 0.5)], **cpu)
-    runs = [report.read_run(logs["one"]), report.read_run(one), report.read_run(two)]
+    runs = [read_run(logs["one"]), read_run(one), read_run(two)]
     sc, _ = rows_by_p(runs)
     row = {r["run"].label: r for r in sc.rows}
     assert row["cpu2"]["reference"].label == "cpu1" and sc.basis == "throughput"
     assert abs(row["cpu2"]["speedup"] - 0.8) < EXACT and abs(row["cpu2"]["efficiency"] - 0.4) < EXACT
     assert abs(row["cpu2"]["karp_flatt"] - 1.5) < EXACT and "amdahl" not in row["cpu2"]
     assert "speedup" not in row["one"]  # the GPU run is no one's reference
-    text = report.write_report(runs, tmp_path / "out", figures=False)[0].read_text()
+    text = write_report(runs, tmp_path / "out", figures=False)[0].read_text()
     assert "| cpu2 | 2 | 1 x 2 | not reached | 400.0 | 0.5000 | cpu1 | 0.800 | 0.400 | 1.5000 | – | – | – |" in text
     assert "| one | 1 | 1 x 1 | 300.000 | 500.0 | 0.9000 | none comparable | – |" in text
     assert "**Flag: `cpu2` is slower than `cpu1`** (speedup 0.800 < 1)" in text
@@ -285,9 +308,9 @@ def test_profile_table(tmp_path):
         ),
         (10.0, 100.0, 0.6, {"data": 3.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0}),
     ]
-    run = report.read_run(write_log(tmp_path / "p.jsonl", 1, 1, prof))
-    assert report.profile_parts(run.epochs) == {"data": 2.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0}
-    path, _, _ = report.write_report([run], tmp_path / "out", figures=False)
+    run = read_run(write_log(tmp_path / "p.jsonl", 1, 1, prof))
+    assert profile_parts(run.epochs) == {"data": 2.0, "forward": 3.0, "backward": 5.0, "comm_estimate": 1.0}
+    path, _, _ = write_report([run], tmp_path / "out", figures=False)
     assert "| p | 2.000 | 3.000 | 5.000 | 1.000 | 11.000 |" in path.read_text()
 
 
@@ -329,7 +352,7 @@ def test_report_without_matplotlib(logs, tmp_path):
     """matplotlib made unimportable (None in sys.modules): the tables are still written, with a note."""
     out = tmp_path / "out"
     code = (
-        "import sys; sys.modules['matplotlib'] = None; from cifar_wrn.report import main; "
+        "import sys; sys.modules['matplotlib'] = None; from cifar_wrn.report.cli import main; "
         f"sys.exit(main([{str(logs['one'])!r}, {str(logs['two'])!r}, '--out', {str(out)!r}]))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -345,8 +368,8 @@ def test_report_without_matplotlib(logs, tmp_path):
 
 def test_report_without_matplotlib_in_process(logs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert report.load_matplotlib() is None
-    path, figures, skipped = report.write_report([report.read_run(logs["one"])], tmp_path / "out")
+    assert load_matplotlib() is None
+    path, figures, skipped = write_report([read_run(logs["one"])], tmp_path / "out")
     assert figures == [] and "matplotlib is missing" in skipped
     assert "Figures skipped" in path.read_text()
 
@@ -417,9 +440,7 @@ def test_bad_files_give_one_clear_line_and_exit_2(tmp_path):
 def test_run_without_epochs_is_reported_not_fatal(logs, tmp_path):
     """A run that crashed before its first epoch still has a header: it is listed, without speedups."""
     empty = write_log(tmp_path / "crashed.jsonl", 1, 2, [])
-    path, _, _ = report.write_report(
-        [report.read_run(logs["one"]), report.read_run(empty)], tmp_path / "out", figures=False
-    )
+    path, _, _ = write_report([read_run(logs["one"]), read_run(empty)], tmp_path / "out", figures=False)
     text = path.read_text()
     assert "| crashed | 2 | 1 x 2 | not reached | – | – |" in text
     assert "A run has no epoch records: no speedup columns." in text and "_No epoch records" in text
@@ -428,8 +449,8 @@ def test_run_without_epochs_is_reported_not_fatal(logs, tmp_path):
 def test_read_run_rejects_inconsistent_header(tmp_path):
     path = write_log(tmp_path / "x.jsonl", 2, 2, ONE)
     path.write_text(path.read_text().replace('"world_size": 4', '"world_size": 3'))
-    with pytest.raises(report.LogError, match="not num_nodes x num_gpus"):
-        report.read_run(path)
+    with pytest.raises(LogError, match="not num_nodes x num_gpus"):
+        read_run(path)
 
 
 # ----------------------------------------------------------------------------- a real log
@@ -457,9 +478,9 @@ def test_report_reads_what_raw_ddp_writes(cifar_dir, tmp_path):
         log,
     )
     assert result.returncode == 0, result.stderr
-    run = report.read_run(log)
+    run = read_run(log)
     assert run.world_size == 1 and len(run.epochs) == 1  # target 0 with patience 1: stops after epoch 1
-    path, _, _ = report.write_report([run], tmp_path / "out", figures=False)
+    path, _, _ = write_report([run], tmp_path / "out", figures=False)
     text = path.read_text()
     assert f"| {run.epochs[0]['cumulative_time']:.3f} |" in text and "1/1, stop" in text
     assert "| backend | gloo |" in text and "| model width | 4 |" in text
@@ -506,12 +527,12 @@ def test_a_run_resumed_twice_is_one_run_with_continuing_cumulative_time(tmp_path
     # stopped in epoch 2 at step 40, then again at the end of epoch 3 (resumed at epoch 4, step 0)
     path = resumed_log(tmp_path / "resumed.jsonl", {0: None, 1: {"epoch": 2, "step": 40}, 3: {"epoch": 4, "step": 0}})
     assert path.read_text().count('"kind": "header"') == 3
-    run = report.read_run(path)
+    run = read_run(path)
     assert [s.line for s in run.segments] == [1, 3, 6] and [s.line for s in run.resumes] == [3, 6]
     assert [e["epoch"] for e in run.epochs] == [1, 2, 3, 4]
     assert [e["cumulative_time"] for e in run.epochs] == [100.0, 200.0, 300.0, 400.0]
-    assert report.time_to_target(run.epochs, run.target, run.patience) == 300.0 and run.notes == []
-    out, _, _ = report.write_report([run], tmp_path / "out", figures=False)
+    assert time_to_target(run.epochs, run.target, run.patience) == 300.0 and run.notes == []
+    out, _, _ = write_report([run], tmp_path / "out", figures=False)
     text = out.read_text()
     assert (
         "| resumed | 2 times: at epoch 2 step 40 (line 3, commit abc1234); at epoch 4 step 0 (line 6, commit "
@@ -530,10 +551,10 @@ def test_a_resume_from_an_older_checkpoint_replaces_the_epochs_trained_again(tmp
     again.update(val_accuracy=0.80, val_loss=1.2)  # the retrained epoch 3 is worse: the streak restarts
     header = dict(json.loads(lines[0]), resumed_at={"epoch": 3, "step": 0})
     path.write_text("\n".join(lines[:4] + [json.dumps(header), json.dumps(again)]) + "\n")
-    run = report.read_run(path)
+    run = read_run(path)
     assert [(e["epoch"], e["val_accuracy"]) for e in run.epochs] == [(1, 0.5), (2, 0.86), (3, 0.80)]
     assert run.notes and "line 5 resumes at epoch 3 step 0, before epoch(s) 3 already logged" in run.notes[0]
-    assert report.time_to_target(run.epochs, run.target, run.patience) is None
+    assert time_to_target(run.epochs, run.target, run.patience) is None
 
 
 @pytest.mark.parametrize(
@@ -570,8 +591,8 @@ def test_a_resume_from_an_older_checkpoint_replaces_the_epochs_trained_again(tmp
 )
 def test_two_different_runs_in_one_file_are_refused_naming_the_line(tmp_path, what, headers, edits, message):
     path = resumed_log(tmp_path / "two.jsonl", headers, edits)
-    with pytest.raises(report.LogError) as refused:
-        report.read_run(path)
+    with pytest.raises(LogError) as refused:
+        read_run(path)
     assert str(refused.value).startswith(f"{path}, ") and message in str(refused.value), what
     assert str(refused.value).endswith("; one run per file"), what
 
@@ -593,8 +614,8 @@ def test_epochs_going_back_without_a_resume_are_refused(tmp_path):
     path = write_log(tmp_path / "x.jsonl", 1, 1, ONE)
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines + lines[1:3]) + "\n")  # epochs 1-4, then 1 and 2 again with no header
-    with pytest.raises(report.LogError, match=r"line 6: epoch 1 after epoch 4 with no resume between them"):
-        report.read_run(path)
+    with pytest.raises(LogError, match=r"line 6: epoch 1 after epoch 4 with no resume between them"):
+        read_run(path)
 
 
 def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_header(tmp_path):
@@ -605,11 +626,11 @@ def test_a_resume_may_change_the_stopping_rule_and_a_key_newer_than_the_first_he
         {0: None, 2: {"epoch": 3, "step": 0}},
         {2: {"recipe_edits": {"patience": 1, "crop_padding": 4}}},
     )
-    run = report.read_run(path)
+    run = read_run(path)
     assert run.patience == 1 and len(run.epochs) == 4  # the rule the run ended with
     # each epoch under the rule in force when it was logged, as the trainers stopped: epoch 2 (0.86) was one of
     # 2 in a row; the resumed run's epoch 3 (0.87) meets patience 1 (the final rule alone would say epoch 2)
-    assert report.time_to_target(run.epochs, *run.rules) == 300.0
+    assert time_to_target(run.epochs, *run.rules) == 300.0
 
 
 def test_data_partitioning_of_an_accelerate_dataloader_run_is_accelerates_not_the_samplers(tmp_path):
@@ -622,7 +643,7 @@ def test_data_partitioning_of_an_accelerate_dataloader_run_is_accelerates_not_th
         tmp_path / "accel.jsonl", 1, 2, TWO, trainer="accelerate", val_images=10000, per_device_batch_size=32
     )
     log.write_text(log.read_text().replace('"batch_size": 32}', json.dumps(recipe)[1:]))
-    text = report.write_report([report.read_run(log)], tmp_path / "out", figures=False)[0].read_text()
+    text = write_report([read_run(log)], tmp_path / "out", figures=False)[0].read_text()
     assert (
         "| accel | train | 50000 | 2 | 24992 | 0 | none | 781 x 32 (16 unused: the short batch and the last round) |"
         in (text)
@@ -630,7 +651,7 @@ def test_data_partitioning_of_an_accelerate_dataloader_run_is_accelerates_not_th
     assert "| accel | validation | 10000 | 2 | 5000 | 0 | none | – |" in text
     assert "Accelerate's prepare() (A1.5)" in text
     raw = write_log(tmp_path / "raw.jsonl", 1, 2, TWO, val_images=10000, per_device_batch_size=32)
-    text = report.write_report([report.read_run(raw)], tmp_path / "out_raw", figures=False)[0].read_text()
+    text = write_report([read_run(raw)], tmp_path / "out_raw", figures=False)[0].read_text()
     assert "| raw | train | 50000 | 2 | 25000 | 0 | none | 781 x 32 (8 dropped) |" in text
 
 
@@ -646,11 +667,11 @@ def test_accelerate_shards_is_what_accelerates_batch_sampler_shard_deals(n, worl
     ranks = [list(BatchSamplerShard(batches, num_processes=world, process_index=r)) for r in range(world)]
     images = [[i for b in rank for i in b] for rank in ranks]
     seen = [i for rank in images for i in rank]
-    shards = report.accelerate_shards(n, world, batch, drop_last)
-    assert (shards["shard"], shards["steps"]) == (max(map(len, images)), len(ranks[0]))
-    assert shards["padding"] == len(seen) - len(set(seen)) and shards["unused"] == n - len(set(seen))
+    dealt = accelerate_shards(n, world, batch, drop_last)
+    assert (dealt["shard"], dealt["steps"]) == (max(map(len, images)), len(ranks[0]))
+    assert dealt["padding"] == len(seen) - len(set(seen)) and dealt["unused"] == n - len(set(seen))
     repeats = [r for r in range(world) if any(seen.index(i) < sum(map(len, images[:r])) for i in images[r])]
-    assert shards["padded_ranks"] == repeats
+    assert dealt["padded_ranks"] == repeats
 
 
 def test_no_quoted_code_box_is_empty_and_demonstrate_3_quotes_the_ddp_wrap():
@@ -659,7 +680,7 @@ def test_no_quoted_code_box_is_empty_and_demonstrate_3_quotes_the_ddp_wrap():
     text = (EXAMPLE / "report.md").read_text()
     assert "(no such tagged line" not in text
     section = text[text.index("Demonstrate 3") : text.index("Demonstrate 4")]
-    wrap = report.statement_lines("= DDP(")
+    wrap = statement_lines("= DDP(")
     assert wrap[0].split(": ", 1)[1] == "model = DDP(" and wrap[-1].endswith(")") and len(wrap) >= 3
     assert all(line in section for line in wrap) and any("device_ids=" in line for line in wrap)
 
@@ -672,10 +693,10 @@ def test_a_resume_with_a_lower_target_is_met_where_the_trainer_stopped(tmp_path)
         {0: None, 2: {"epoch": 3, "step": 0}},
         {0: {"recipe_edits": {"target_accuracy": 0.9}}},
     )
-    run = report.read_run(path)
+    run = read_run(path)
     assert run.rules == ([0.9, 0.9, 0.85, 0.85], [2, 2, 2, 2])
-    assert report.stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules) == 2
-    text = report.write_report([run], tmp_path / "out", figures=False)[0].read_text()
+    assert stopping_epoch([e["val_accuracy"] for e in run.epochs], *run.rules) == 2
+    text = write_report([run], tmp_path / "out", figures=False)[0].read_text()
     assert "| 3 | 300.000 | 100.000 | 490.0 | – | 1.1300 | 0.8700 | 2/2, stop |" in text
     assert "| 2 | 200.000 | 100.000 | 510.0 | – | 1.1400 | 0.8600 |  |" in text  # 0.86 < 0.9 then
 
@@ -690,7 +711,7 @@ def test_the_committed_resumed_logs_are_each_one_run():
         "fast4b128": ["epoch 1 step 90"],
     }
     for name, where in resumes.items():
-        run = report.read_run(RUNS / f"{name}.jsonl")
+        run = read_run(RUNS / f"{name}.jsonl")
         assert [s.where() for s in run.resumes] == where, name
         assert [e["epoch"] for e in run.epochs] == [1, 2, 3, 4] and not run.notes, name
         times = [e["cumulative_time"] for e in run.epochs]
@@ -710,8 +731,8 @@ def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_pat
         assert row in text, row
     assert "| fast8 | 2 | 1 x 2 | 7560.028 |" in text  # the scaling table's Cumulative Time to target
     assert "| resumed | once: at epoch 3 step 60 (line 4, started 2026-12-01T06:27:38+0000, commit f01bc54)" in text
-    run = report.read_run(RUNS / "fast8.jsonl")
-    assert round(report.time_to_target(run.epochs, run.target, run.patience), 1) == 7560.0
+    run = read_run(RUNS / "fast8.jsonl")
+    assert round(time_to_target(run.epochs, run.target, run.patience), 1) == 7560.0
 
 
 # ----------------------------------------------------------------------------- the course's PDF (R3)
@@ -733,11 +754,11 @@ def test_ddp_steps_are_read_from_the_tags(tmp_path):
     source.write_text(
         'import x\ndef f():  # R1.1\n    y = 1  # R1.10: one\n    # R1.2, R1.3 and R1.1 here\n    s = "# R1.<n>"\n'
     )
-    steps = report.ddp_steps(source)
+    steps = ddp_steps(source)
     assert steps == [("R1.1", [2, 4]), ("R1.2", [4]), ("R1.3", [4]), ("R1.10", [3])]
-    assert report.where_text("raw_ddp.py", [2, 4]) == "raw_ddp.py:2,4"
-    assert report.code_lines("R1.1", source=source) == ["2: def f():  # R1.1"]  # the comment-only line 4 left out
-    shipped = report.ddp_steps()
+    assert where_text("raw_ddp.py", [2, 4]) == "raw_ddp.py:2,4"
+    assert code_lines("R1.1", source=source) == ["2: def f():  # R1.1"]  # the comment-only line 4 left out
+    shipped = ddp_steps()
     assert dict(shipped) == r1_tags(REPO / "raw_ddp.py") and len(shipped) == 11
 
 
@@ -813,11 +834,11 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
     for n in tags["R1.9"]:
         if not source[n - 1].lstrip().startswith("#"):
             assert f"{n}: {source[n - 1].strip()}" in text, n
-    for item, what in report.EXPLAIN.items():
+    for item, what in EXPLAIN.items():
         assert f"[you write: {what}]" in flat, item
     # 6: the optimisations: key, baseline, used; the why a slot, or the student's from --notes
     assert "bn_recalibration 0 5000 my own words on recalibration" in flat
-    changed = report.optimisations(report.read_run(RUNS / "fast8.jsonl"))
+    changed = optimisations(read_run(RUNS / "fast8.jsonl"))
     # fast8 against today's baseline (the course script's): momentum is the same now (0.9), normalization and
     # augmentation (the course's vs crop and flip, unused as augment is off) differ
     assert len(changed) == 22 and ("lr_schedule", "constant", "warmup_linear") in changed
@@ -827,9 +848,43 @@ def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
             assert f"{key} {baseline} {used} [you write: why]" in flat, key
 
 
+def test_pdf_column_widths_share_the_page_by_content():
+    """Widths in proportion to each column's text, none under its widest word, summing to the page's width."""
+    from cifar_wrn.report.columns import column_widths, share_widths
+
+    assert share_widths([10.0, 30.0], [0.0, 0.0], 80.0, minimum=0.0) == [20.0, 60.0]
+    held = share_widths([1.0, 100.0, 99.0], [15.0, 0.0, 0.0], 100.0, minimum=5.0)
+    assert held[0] == 15.0 and abs(sum(held) - 100.0) < EXACT and abs(held[1] / held[2] - 100 / 99) < EXACT
+    assert share_widths([10.0, 10.0], [60.0, 60.0], 100.0) == [50.0, 50.0]  # the floors do not fit: shrunk alike
+    fpdf = pytest.importorskip("fpdf")
+    pdf = fpdf.FPDF(format="A4", unit="mm")
+    pdf.add_page()
+    where = "raw_ddp.py:" + ",".join(map(str, range(100, 130)))
+    columns = [[("step", "B"), ("R1.1", "")], [("where", "B"), (where, "")], [("why", "B"), ("a why " * 40, "I")]]
+    widths = column_widths(pdf, columns, 7.5)
+    pdf.set_font("Helvetica", "", 7.5)
+    assert abs(sum(widths) - pdf.epw) < 1e-6 and widths[1] > pdf.get_string_width(where)  # one line: no break
+    assert widths[2] > widths[0]  # the long text gets the room
+
+
+def test_the_sections_and_steps_carry_the_course_item_they_answer(logs):
+    """Layouts find a requirement's section by its id, and a slot by its type, never by the words."""
+    from cifar_wrn.report.content import Slot, Table
+    from cifar_wrn.report.demonstrate import demonstrate
+    from cifar_wrn.report.tables import steps
+
+    sections = demonstrate([read_run(logs["two"])], {"steps": {"R1.7": "mine"}}, [])
+    assert [s.id for s in sections] == ["D1", "D2", "D3", "D4", "D5", "D6"]
+    shown = steps({"steps": {"R1.7": "mine"}})
+    assert [(s.id, s.lines) for s in shown] == ddp_steps()
+    assert all(isinstance(s.why, Slot) and s.why.written == (s.id == "R1.7") for s in shown)
+    optimisations_table = [b for b in sections[-1].blocks if isinstance(b, Table)]
+    assert all(isinstance(row[-1], Slot) for table in optimisations_table for row in table.rows)
+
+
 def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
     code = (
-        "import sys; sys.modules['fpdf'] = None; from cifar_wrn.report import main; "
+        "import sys; sys.modules['fpdf'] = None; from cifar_wrn.report.cli import main; "
         f"sys.exit(main([{str(logs['one'])!r}, '--out', {str(tmp_path / 'out')!r}, '--pdf', 'r.pdf']))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -854,12 +909,12 @@ def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
 def test_bad_notes_are_refused(tmp_path, content, message):
     notes = tmp_path / "notes.yaml"
     notes.write_text(content)
-    runs = [report.read_run(RUNS / "fast8.jsonl")]
-    with pytest.raises(report.UserError) as refused:
-        report.read_notes(notes, runs)
+    runs = [read_run(RUNS / "fast8.jsonl")]
+    with pytest.raises(UserError) as refused:
+        read_notes(notes, runs)
     assert str(refused.value).startswith(f"--notes {notes}: ") and message in str(refused.value)
     assert "\n" not in str(refused.value)
-    assert report.read_notes(None, runs) == {}
+    assert read_notes(None, runs) == {}
 
 
 def test_bad_notes_are_refused_before_any_output(tmp_path):
@@ -873,9 +928,9 @@ def test_bad_notes_are_refused_before_any_output(tmp_path):
 def test_notes_fill_the_slots_they_name_and_leave_the_others_marked(logs, tmp_path):
     notes = tmp_path / "notes.yaml"
     notes.write_text("steps:\n  R1.6: my set_epoch words\nexplain:\n  aggregation: |\n    my words\n    on SUM\n")
-    runs = [report.read_run(logs["one"]), report.read_run(logs["two"])]
+    runs = [read_run(logs["one"]), read_run(logs["two"])]
     assert (
-        report.main(
+        main(
             [str(logs["one"]), str(logs["two"]), "--out", str(tmp_path / "out"), "--no-figures", "--notes", str(notes)]
         )
         == 0
@@ -885,12 +940,12 @@ def test_notes_fill_the_slots_they_name_and_leave_the_others_marked(logs, tmp_pa
         f"| R1.6 | raw_ddp.py:{','.join(map(str, r1_tags(REPO / 'raw_ddp.py')['R1.6']))} | my set_epoch words |" in text
     )
     assert "**Explanation:** my words on SUM" in text and "[you write: why R1.6 is needed]" not in text
-    assert "[you write: why R1.7 is needed]" in text and f"[you write: {report.EXPLAIN['scaling']}]" in text
-    assert report.read_notes(notes, runs)["explain"] == {"aggregation": "my words on SUM"}
+    assert "[you write: why R1.7 is needed]" in text and f"[you write: {EXPLAIN['scaling']}]" in text
+    assert read_notes(notes, runs)["explain"] == {"aggregation": "my words on SUM"}
 
 
 def test_caption_needs_pdf(logs, tmp_path, capsys):
-    assert report.main([str(logs["one"]), "--out", str(tmp_path / "out"), "--caption", "x"]) == 2
+    assert main([str(logs["one"]), "--out", str(tmp_path / "out"), "--caption", "x"]) == 2
     assert capsys.readouterr().err == "error: --caption is for the PDF: give --pdf FILE too\n"
     assert not (tmp_path / "out").exists()
 
@@ -900,14 +955,14 @@ def test_run_folders_are_read_as_their_log(logs, tmp_path):
     folder.mkdir(parents=True)
     (folder / "log.jsonl").write_text(logs["two"].read_text())
     out = tmp_path / "out"
-    assert report.main([str(logs["one"]), str(folder), "--out", str(out), "--no-figures"]) == 0
+    assert main([str(logs["one"]), str(folder), "--out", str(out), "--no-figures"]) == 0
     text = (out / "report.md").read_text()
     assert "| baseline-1x2-20261202-130000 | 2 | 1 x 2 | 240.000 | 950.0 | 0.8800 | one | 1.250 |" in text
     assert f"Log: `{folder / 'log.jsonl'}`" in text
     empty = tmp_path / "runs" / "empty"
     empty.mkdir()
-    with pytest.raises(report.LogError, match="a folder without log.jsonl"):
-        report.read_run(empty)
+    with pytest.raises(LogError, match="a folder without log.jsonl"):
+        read_run(empty)
 
 
 def test_compare_fills_before_and_after_from_the_students_logs(logs, tmp_path):
@@ -917,7 +972,7 @@ def test_compare_fills_before_and_after_from_the_students_logs(logs, tmp_path):
     other = write_log(tmp_path / "cpu.jsonl", 1, 2, TWO, device="cpu")
     out = tmp_path / "out"
     assert (
-        report.main(
+        main(
             [
                 str(logs["two"]),
                 "--out",
@@ -939,7 +994,7 @@ def test_compare_fills_before_and_after_from_the_students_logs(logs, tmp_path):
     assert "| after: after |  | 120.000 | 755.0 | 0.8700 | 2 |" in text
     assert "not like for like: they also differ in device (cuda vs cpu); world size (1 vs 2)" in text
     assert "[you measure:" not in text
-    bare = report.write_report([report.read_run(logs["two"])], tmp_path / "bare", figures=False)[0].read_text()
+    bare = write_report([read_run(logs["two"])], tmp_path / "bare", figures=False)[0].read_text()
     assert "**Before/after:** [you measure: pass the logs of a run without and with the change" in bare
 
 
@@ -947,8 +1002,8 @@ def test_demonstrate_facts_from_the_header(tmp_path):
     """1001 images on 2 ranks: ceil = 501 each, 1 padded (rank 1 holds the repeat); batch 32: 15 steps, 21 left
     over; 17,117,754 fp32 parameters = 68,471,016 bytes = 65.3 MiB per step, buckets 1 + ceil(64.3 / 25) = 4,
     a ring sends 2 x 1/2 of them per rank; with --profile the measured all-reduce, 2 s of a 10 s epoch."""
-    assert report.shards(1001, 2, 32) == {"shard": 501, "padding": 1, "padded_ranks": [1], "steps": 15, "dropped": 21}
-    assert report.shards(10, 4, None)["padded_ranks"] == [2, 3]  # 3 each = 12: two repeats
+    assert shards(1001, 2, 32) == {"shard": 501, "padding": 1, "padded_ranks": [1], "steps": 15, "dropped": 21}
+    assert shards(10, 4, None)["padded_ranks"] == [2, 3]  # 3 each = 12: two repeats
     path = write_log(
         tmp_path / "two.jsonl",
         1,
@@ -962,9 +1017,9 @@ def test_demonstrate_facts_from_the_header(tmp_path):
     )
     path.write_text(path.read_text().replace('"val_accuracy": 0.5,', '"val_accuracy": 0.5, "comm_estimate": 2.0,'))
     assert '"comm_estimate": 2.0' in path.read_text()
-    run = report.read_run(path)
-    assert report.gradient_bytes(run) == (68471016, 4)
-    text = report.write_report([run], tmp_path / "out", figures=False)[0].read_text()
+    run = read_run(path)
+    assert gradient_bytes(run) == (68471016, 4)
+    text = write_report([run], tmp_path / "out", figures=False)[0].read_text()
     assert "| two | train | 1001 | 2 | 501 | 1 | 1 | 15 x 32 (21 dropped) |" in text
     assert "| two | validation | 10 | 2 | 5 | 0 | none | – |" in text
     assert "| two | 17117754 | fp32 | 65.3 MiB | ~4 | 65.3 MiB | 2.000 s/epoch (20.0% of the epoch) |" in text
@@ -994,7 +1049,7 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     )
 
 
-@pytest.mark.slow  # report.main starts a process inside the project's code (conftest cannot see it)
+@pytest.mark.slow  # main starts a process inside the project's code (conftest cannot see it)
 def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
     """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
     pytest.importorskip("fpdf")
@@ -1005,9 +1060,7 @@ def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch
     monkeypatch.setattr(report_pdf, "build", lambda *args: built.append(args[3]) or build(*args))
     monkeypatch.setattr(report_pdf, "MAX_PAGES", 1)
     pdf = tmp_path / "r.pdf"
-    assert (
-        report.main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(pdf)]) == 0
-    )
+    assert main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(pdf)]) == 0
     assert built == [False, True]  # normal, then compact
     pages, _, images = pdf_text(pdf)
     assert pages > 1 and images == 0  # --no-figures: the PDF says so instead
@@ -1027,20 +1080,18 @@ def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):
     records[2]["safety_net"] = {"budget": 2, "extra_epochs": 1, "streak": 1, "patience": 2}
     records[3]["extra_epoch"] = 1
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    lines = report.printed_lines(report.read_run(path))
+    lines = printed_lines(read_run(path))
     assert len(lines) == 4 and lines[1].splitlines()[1].startswith("Safety net: the target was met 1 of 2")
     assert lines[-1] == "Early stopping after epoch 3 (1 safety-net epoch(s) after the 2-epoch budget)"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
-    assert len(report.printed_lines(report.read_run(path))) == 2
+    assert len(printed_lines(read_run(path))) == 2
 
 
 def test_the_example_notes_file_is_accepted_and_fills_its_slots(logs, tmp_path):
-    notes = report.read_notes(EXAMPLE / "notes.yaml", [report.read_run(logs["two"])])
-    assert set(notes) == {"steps", "explain"} and set(notes["explain"]) == set(report.EXPLAIN)
-    text = report.write_report([report.read_run(logs["two"])], tmp_path / "out", figures=False, notes=notes)[
-        0
-    ].read_text()
-    assert f"[you write: {report.EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text
+    notes = read_notes(EXAMPLE / "notes.yaml", [read_run(logs["two"])])
+    assert set(notes) == {"steps", "explain"} and set(notes["explain"]) == set(EXPLAIN)
+    text = write_report([read_run(logs["two"])], tmp_path / "out", figures=False, notes=notes)[0].read_text()
+    assert f"[you write: {EXPLAIN['topology']}]" not in text and "[you write: why R1.1 is needed]" in text
 
 
 def baseline_log(path, nodes, gpus, records, **recipe):
@@ -1058,31 +1109,31 @@ def test_the_featured_run_is_the_two_process_run_of_the_comparable_pair(tmp_path
     two = baseline_log(tmp_path / "baseline-1x2.jsonl", 1, 2, TWO, epochs=4)
     smoke = baseline_log(tmp_path / "baseline-1x2-smoke.jsonl", 1, 2, TWO[:1], epochs=1, patience=1)
     paths = [smoke, one, two] if smoke_first else [one, two, smoke]
-    runs = [report.read_run(p) for p in paths]
-    report.label_runs(runs)
-    assert report.main_run(runs).path == two
-    assert report.featured_text(runs) == (
+    runs = [read_run(p) for p in paths]
+    label_runs(runs)
+    assert main_run(runs).path == two
+    assert featured_text(runs) == (
         "The featured run (its epoch log and Demonstrate 6): `baseline-1x2`: 2 processes, compared with a "
         "1-process run of the same recipe, data, model and device, met the criterion; chosen over "
         "`baseline-1x2-smoke` (no comparable 1-process run)."
     )
-    assert report.main([*map(str, paths), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
+    assert main([*map(str, paths), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
     text = (tmp_path / "out" / "report.md").read_text()
-    assert report.featured_text(runs) in text
+    assert featured_text(runs) in text
     assert "The recipe keys where `baseline-1x2`'s recipe differs" in text or "`baseline-1x2` trained with" in text
 
 
 def test_a_run_length_cap_under_a_constant_schedule_is_no_optimisation(tmp_path):
     """The baseline with --epochs 2: epochs only caps the run (constant LR), so Demonstrate 6 lists no optimisation
     and says the baseline recipe is unchanged; where epochs sets a schedule it is one."""
-    capped = report.read_run(baseline_log(tmp_path / "capped.jsonl", 1, 2, TWO[:2], epochs=2, seed=3))
-    assert report.optimisations(capped) == []
-    assert report.recipe_changes(capped) == [("epochs", "40", "2"), ("seed", "0", "3")]
-    scheduled = report.read_run(
+    capped = read_run(baseline_log(tmp_path / "capped.jsonl", 1, 2, TWO[:2], epochs=2, seed=3))
+    assert optimisations(capped) == []
+    assert recipe_changes(capped) == [("epochs", "40", "2"), ("seed", "0", "3")]
+    scheduled = read_run(
         baseline_log(tmp_path / "scheduled.jsonl", 1, 2, TWO[:2], epochs=2, lr_schedule="warmup_linear")
     )
-    assert report.optimisations(scheduled) == [("epochs", "40", "2"), ("lr_schedule", "constant", "warmup_linear")]
-    assert report.main([str(tmp_path / "capped.jsonl"), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
+    assert optimisations(scheduled) == [("epochs", "40", "2"), ("lr_schedule", "constant", "warmup_linear")]
+    assert main([str(tmp_path / "capped.jsonl"), "--out", str(tmp_path / "out"), "--no-figures"]) == 0
     text = " ".join((tmp_path / "out" / "report.md").read_text().split())
     assert "None: `capped` trained with the baseline recipe, unchanged." in text
     assert "| epochs |" not in text
@@ -1097,7 +1148,7 @@ def test_pdf_text_is_left_aligned_never_justified(tmp_path, monkeypatch):
     record = lambda self, *a, **k: aligns.append(str(k.get("align", "J"))) or multi_cell(self, *a, **k)
     monkeypatch.setattr(fpdf.FPDF, "multi_cell", record)
     out = [str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(tmp_path / "r.pdf")]
-    assert report.main(out) == 0
+    assert main(out) == 0
     assert aligns and not [a for a in aligns if a.upper() not in ("L", "ALIGN.L", "LEFT")], sorted(set(aligns))
 
 
@@ -1106,5 +1157,5 @@ def test_the_startup_warm_up_is_listed_with_its_cost(tmp_path):
     log = baseline_log(tmp_path / "warm.jsonl", 1, 2, TWO[:2], epochs=2, lr_schedule="warmup_linear", startup_steps=3)
     records = log.read_text().splitlines()
     log.write_text("\n".join([json.dumps({**json.loads(records[0]), "startup_seconds": 1.734}), *records[1:]]) + "\n")
-    listed = report.optimisations(report.read_run(log))
+    listed = optimisations(read_run(log))
     assert ("startup_steps", "0", "3 (1.7 s of warm-up, before the clock)") in listed

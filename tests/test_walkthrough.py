@@ -5,7 +5,7 @@ import re
 from conftest import REPO
 
 from cifar_wrn.recipe import FIELDS
-from cifar_wrn.report import ddp_steps
+from cifar_wrn.report.ddp_source import ddp_steps
 
 DOC = REPO / "docs" / "ddp_walkthrough.md"
 

@@ -5,8 +5,9 @@ run's epoch log exactly as rank 0 printed it, the Cumulative Time at which the c
 process table (speedup, efficiency, Karp-Flatt, Amdahl) with the accuracy-against-time figure and the
 topology diagram, then the course's Demonstrate items 1-6 (the blocks report.md shows too). What only the
 student can write (every explanation) is a marked slot, or the student's own text from --notes. Everything
-else comes from the logs and the code: cifar_wrn/report/__init__.py computes it (its pdf_content) and passes it
-in, so this module only lays it out and imports nothing of the report package.
+else comes from the logs and the code: cli.py computes it (pdf_content, the dataclasses of content.py) and
+passes it in, so this module only lays it out and imports nothing of the report but content.py and columns.py
+(each table's column widths, from its content).
 
 fpdf2 (the optional extra `pdf`) draws it rather than reportlab: both are pure Python and well kept, but
 fpdf2's one object with tables and PNGs built in keeps this file short, its core fonts need no font file
@@ -16,10 +17,11 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 from pathlib import Path
 
 from ..errors import UserError
+from .columns import CELL_PADDING, column_widths
+from .content import Bullets, Code, Image, PdfContent, Section, Slot, Table, Text
 
 MAX_PAGES = 4  # the course's limit
 INSTALL_HINT = "pip install fpdf2, or pip install -e '.[pdf]'"
-YOU_WRITE = "[you write"  # how every slot starts: "[you write: ...]"
 GREY, RED, DARK = (110, 110, 110), (170, 40, 40), (30, 30, 30)
 # The PDF's core fonts (no font files to embed: a small PDF) cover Latin-1; the few other characters the
 # report uses are spelled out.
@@ -100,11 +102,27 @@ def _text(pdf, lay: Layout, text: str, style: str = "", color=DARK, size=None) -
     pdf.multi_cell(0, lay.line, latin1(text), new_x="LMARGIN", new_y="NEXT", align="L")  # not justified: no wide gaps
 
 
-def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: float | None = None) -> None:
-    """A table with `head` as headings; a cell that is a slot ([you write: ...]) is the student's, marked."""
+def _is_slot(cell) -> bool:
+    """A slot the student has not written yet: marked in the table."""
+    return isinstance(cell, Slot) and not cell.written
+
+
+def _styled(head: list, rows: list[list]) -> list[list[tuple[str, str]]]:
+    """The table's columns as (text, font style) cells, as they will be drawn: headings bold, slots italic."""
+    columns = []
+    for i, heading in enumerate(head):
+        cells = [(latin1(row[i]), "I" if _is_slot(row[i]) else "") for row in rows if i < len(row)]
+        columns.append([(latin1(heading), "B")] + cells)
+    return columns
+
+
+def _table(pdf, lay: Layout, head: list, rows: list[list], size: float | None = None) -> None:
+    """A table with `head` as headings, its column widths from its content; a slot the student has not
+    written yet is marked."""
     from fpdf.fonts import FontFace
 
     size = size or lay.table
+    widths = column_widths(pdf, _styled(head, rows), size)
     pdf.set_font("Helvetica", "", size)
     pdf.set_text_color(*DARK)
     mine = FontFace(emphasis="ITALICS", color=RED)
@@ -112,7 +130,7 @@ def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: 
         col_widths=widths,
         text_align="LEFT",
         line_height=size * 0.47,
-        padding=0.8,
+        padding=CELL_PADDING,
         headings_style=FontFace(emphasis="BOLD", fill_color=(228, 234, 242)),
     ) as table:
         row = table.row()
@@ -121,7 +139,7 @@ def _table(pdf, lay: Layout, head: list, rows: list[list], widths: tuple, size: 
         for cells in rows:
             row = table.row()
             for cell in cells:
-                row.cell(latin1(cell), style=mine if str(cell).startswith(YOU_WRITE) else None)
+                row.cell(latin1(cell), style=mine if _is_slot(cell) else None)
     pdf.ln(1.5)
 
 
@@ -214,56 +232,43 @@ def _code(pdf, lines: list[str]) -> None:
     pdf.ln(1)
 
 
-def _blocks(pdf, lay: Layout, blocks: list[tuple]) -> None:
-    """The Demonstrate sections that report.md shows too: headings, text, tables, quoted code."""
+def _plain_cell(cell):
+    return cell if isinstance(cell, Slot) else _plain(str(cell))
+
+
+def _blocks(pdf, lay: Layout, blocks: list) -> None:
+    """Sections that report.md shows too: headings, text, tables, quoted code."""
     for block in blocks:
-        if block[0] == "h":
-            _heading(pdf, block[1])
-        elif block[0] == "p":
-            _text(pdf, lay, _plain(block[1]), size=lay.table + 0.5)
-        elif block[0] == "table":
-            _table(
-                pdf,
-                lay,
-                block[1],
-                [[_plain(str(c)) for c in row] for row in block[2]],
-                tuple(pdf.epw / len(block[1]) for _ in block[1]),
-                size=lay.table - 0.5,
-            )
-        else:
-            _code(pdf, block[1])
+        if isinstance(block, Section):
+            _heading(pdf, block.title)
+            _blocks(pdf, lay, block.blocks)
+        elif isinstance(block, Text):
+            _text(pdf, lay, _plain(block.text), size=lay.table + 0.5)
+        elif isinstance(block, Table):
+            rows = [[_plain_cell(c) for c in row] for row in block.rows]
+            _table(pdf, lay, block.head, rows, size=lay.table - 0.5)
+        elif isinstance(block, Code):
+            _code(pdf, block.lines)
+        elif isinstance(block, Bullets):
+            for item in block.items:
+                _text(pdf, lay, "- " + _plain(item), size=lay.table + 0.5)
+        elif not isinstance(block, Image):  # report.md's figures: the PDF shows its own (_figures)
+            raise TypeError(f"not a block of the report: {block!r}")
 
 
 def _plain(markdown: str) -> str:
     return markdown.replace("**", "").replace("`", "")
 
 
-def build(content, figures: dict, skipped: str | None, compact: bool, command: str, caption: str | None = None):
-    """The whole document (an FPDF object, not yet written), from the texts and tables of pdf_content."""
-    FPDF = load_fpdf()
-    lay = Layout(compact)
-    pdf = _document(FPDF)
-    runs, run = content.runs, content.run
-    cuda = run.header["device"] == "cuda"
-    who = "two-GPU" if run.world_size == 2 and cuda else f"{run.world_size}-process ({run.header['device']})"
-
+def _opening(pdf, lay: Layout, content: PdfContent, command: str, caption: str | None) -> None:
+    """The title, the command that made the PDF, the runs, the caption, and what is the student's to write."""
     pdf.set_font("Helvetica", "B", 14)
     pdf.set_text_color(*DARK)
-    pdf.multi_cell(
-        0,
-        7,
-        "Distributed data-parallel training of a WideResNet on CIFAR-10: report",
-        new_x="LMARGIN",
-        new_y="NEXT",
-        align="L",
-    )
+    title = "Distributed data-parallel training of a WideResNet on CIFAR-10: report"
+    pdf.multi_cell(0, 7, title, new_x="LMARGIN", new_y="NEXT", align="L")
     _text(pdf, lay, f"Made by: {command}", color=GREY, size=lay.table)
-    _text(
-        pdf,
-        lay,
-        "From the run logs " + ", ".join(f"{r.label} ({r.path})" for r in runs) + ". " + _plain(content.featured),
-        color=GREY,
-    )
+    runs = ", ".join(f"{r.label} ({r.path})" for r in content.runs)
+    _text(pdf, lay, f"From the run logs {runs}. " + _plain(content.featured), color=GREY)
     if caption:
         _text(pdf, lay, caption, "B")
     _text(
@@ -275,6 +280,9 @@ def build(content, figures: dict, skipped: str | None, compact: bool, command: s
         RED,
     )
 
+
+def _steps(pdf, lay: Layout, content: PdfContent) -> None:
+    """R3's first part: where each R1 step is in raw_ddp.py, and the student's why."""
     _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
     _text(
         pdf,
@@ -284,11 +292,14 @@ def build(content, figures: dict, skipped: str | None, compact: bool, command: s
         f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.",
     )
     pdf.ln(1)
-    rows = content.steps
-    pdf.set_font("Helvetica", "", lay.table)
-    where = max([pdf.get_string_width(row[1]) + 3 for row in rows] + [20])  # one line each: no break in a number
-    _table(pdf, lay, ["step", "where", "why"], rows, (11, where, pdf.epw - 11 - where))
+    _table(pdf, lay, ["step", "where", "why"], [[step.id, step.where, step.why] for step in content.steps])
 
+
+def _epoch_log(pdf, lay: Layout, content: PdfContent) -> None:
+    """R3's second part: the featured run's epoch log as rank 0 printed it, and the criterion."""
+    run = content.run
+    cuda = run.header["device"] == "cuda"
+    who = "two-GPU" if run.world_size == 2 and cuda else f"{run.world_size}-process ({run.header['device']})"
     _heading(pdf, f"2. The {who} run's epoch log, as printed by rank 0")
     per_node = "GPU(s)" if cuda else "CPU process(es)"
     _text(
@@ -305,15 +316,28 @@ def build(content, figures: dict, skipped: str | None, compact: bool, command: s
     pdf.ln(1.5)
     _text(pdf, lay, content.criterion, "B", size=lay.body + 0.5)
 
+
+def _scaling(pdf, lay: Layout, section: Section, figures: dict, skipped: str | None) -> None:
+    """R3's third part: the scaling table, what it means, and the figures."""
     _heading(pdf, "3. One process against N: speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law")
-    widths = (21, 13, 12, 17, 14, 13) + ((18, 15, 14, 14, 11, 10, 10) if content.scaling_basis else ())
-    _table(pdf, lay, content.scaling_head, content.scaling_rows, widths, size=lay.table - 0.7)
-    for line in content.scaling_notes:
-        if line.startswith("- "):
-            _text(pdf, lay, "- " + _plain(line[2:]), size=lay.table + 0.5)
+    for block in section.blocks:
+        if isinstance(block, Table):
+            _table(pdf, lay, block.head, block.rows, size=lay.table - 0.7)
+        elif isinstance(block, Bullets):
+            for item in block.items:
+                _text(pdf, lay, "- " + _plain(item), size=lay.table + 0.5)
     pdf.ln(1.5)
     _figures(pdf, lay, figures, skipped)
 
+
+def build(content, figures: dict, skipped: str | None, compact: bool, command: str, caption: str | None = None):
+    """The whole document (an FPDF object, not yet written), from the texts and tables of cli.pdf_content."""
+    lay = Layout(compact)
+    pdf = _document(load_fpdf())
+    _opening(pdf, lay, content, command, caption)
+    _steps(pdf, lay, content)
+    _epoch_log(pdf, lay, content)
+    _scaling(pdf, lay, content.scaling, figures, skipped)
     _blocks(pdf, lay, content.demonstrate)
     return pdf
 

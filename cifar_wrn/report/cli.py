@@ -1,0 +1,123 @@
+"""The command line: `python -m cifar_wrn.report RUN... --out DIR [--pdf FILE] [--notes NOTES.yaml] ...`."""
+
+import argparse
+import shlex
+import sys
+
+from ..errors import UserError
+from .content import PdfContent
+from .demonstrate import demonstrate
+from .featured import criterion_text, featured_text, main_run, printed_lines
+from .logs import Run, read_run
+from .markdown import write_report
+from .notes import NOTES_HELP, read_notes
+from .scaling import scaling
+from .tables import resume_text, scaling_section, short_commit, steps
+from .topology import topology_name
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m cifar_wrn.report",
+        description="The course's report (R3, Demonstrate 1-6) from run logs: tables, scaling numbers and figures.",
+    )
+    p.add_argument(
+        "logs",
+        nargs="+",
+        metavar="RUN",
+        help="a run folder (runs/<name>/, holding the log.jsonl the "
+        "trainers write) or a log file (--log-json PATH); one run each",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for report.md and the PNG figures")
+    p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
+    p.add_argument(
+        "--pdf",
+        metavar="FILE",
+        help="also write the course's R3 report, at most 4 pages, to FILE (needs "
+        "fpdf2, the extra `pdf`; the figures need matplotlib)",
+    )
+    p.add_argument(
+        "--caption", metavar="TEXT", help="with --pdf: a line under the title (what the runs are, where they ran)"
+    )
+    p.add_argument(
+        "--notes",
+        metavar="NOTES.yaml",
+        help=f"your own explanations for the report's slots ({NOTES_HELP})"
+        "; docs/report-example/notes.yaml shows the form",
+    )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("BEFORE", "AFTER"),
+        help="an optimisation's before/after: your runs (folders or logs) without and with it (repeatable)",
+    )
+    return p.parse_args(argv)
+
+
+def pdf_content(runs: list[Run], notes: dict, compare: list) -> PdfContent:
+    """Every text and table the PDF shows, computed here so that report/pdf.py only lays them out."""
+    from ..runlog import git_commit
+
+    run = main_run(runs)
+    return PdfContent(
+        runs=runs,
+        run=run,
+        featured=featured_text(runs) or f"The run shown in sections 2 and 4: `{run.label}`.",
+        printed=printed_lines(run),
+        criterion=criterion_text(run),
+        steps=steps(notes),
+        commit=short_commit(git_commit()),
+        run_commit=short_commit(run.header.get("git_commit", "not logged")),
+        resumed=resume_text(run),
+        scaling=scaling_section(scaling(runs), runs),
+        demonstrate=demonstrate(runs, notes, compare),
+    )
+
+
+def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, figures, skipped) -> None:
+    from .pdf import MAX_PAGES, write_pdf
+
+    shown = {
+        "accuracy": report.parent / "accuracy_vs_time.png",
+        "topology": report.parent / topology_name(main_run(runs).config),
+    }
+    pages = write_pdf(
+        pdf_content(runs, notes, compare),
+        args.pdf,
+        {k: v for k, v in shown.items() if v in figures} | {"others": [f for f in figures if f not in shown.values()]},
+        skipped,
+        args.caption,
+        "python -m cifar_wrn.report " + shlex.join(sys.argv[1:] if argv is None else map(str, argv)),
+    )
+    warning = f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES else ""
+    print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + warning)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.caption and not args.pdf:
+            raise UserError("--caption is for the PDF: give --pdf FILE too")
+        if args.pdf:
+            from .pdf import load_fpdf
+
+            load_fpdf()  # before any work: without fpdf2, one line saying how to install it
+        runs = [read_run(path) for path in args.logs]
+        compare = [(read_run(before), read_run(after)) for before, after in args.compare]
+        notes = read_notes(args.notes, runs)
+        report, figures, skipped = write_report(
+            runs, args.out, figures=not args.no_figures, notes=notes, compare=compare
+        )
+        print(
+            f"wrote {report}"
+            + (f" and {len(figures)} figure(s)" if figures else "")
+            + (f" (figures skipped: {skipped})" if skipped else "")
+        )
+        if args.pdf:
+            _write_pdf(args, argv, runs, notes, compare, report, figures, skipped)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

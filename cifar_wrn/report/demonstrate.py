@@ -1,0 +1,246 @@
+"""The course's Demonstrate items 1-6 as sections: facts from the logs and the shipped raw_ddp.py, the
+explanations as the student's slots."""
+
+import json
+
+from .changes import optimisations, recipe_changes
+from .content import Section, Table, Text
+from .ddp_source import code_block, code_lines, statement_lines
+from .featured import main_run
+from .logs import Run, full_recipe, is_number
+from .notes import EXPLAIN, slot
+from .scaling import differences, mean_images_per_sec, run_time_to_target
+from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, gradient_bytes, shards
+from .tables import fmt
+
+WALKTHROUGH = "docs/ddp_walkthrough.md"
+
+
+def _explain(notes: dict, key: str) -> Text:
+    return Text(f"**Explanation:** {slot(notes, 'explain', key, EXPLAIN[key])}")
+
+
+def topology_item(runs: list[Run]) -> Section:
+    layouts = "; ".join(
+        f"`{r.label}` draws {r.num_nodes} node(s) x {r.num_gpus} "
+        f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
+        + (f"ranks 0-{r.world_size - 1}" if r.world_size > 1 else "rank 0")
+        + f", {r.header['backend']}"
+        for r in runs
+    )
+    text = (
+        "Each run's layout (the diagrams and text topologies are in its section under Runs): "
+        + layouts
+        + ". In raw_ddp.py, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). "
+        + f"The concepts: {WALKTHROUGH}."
+    )
+    code = code_lines("R1.2") + code_lines("R1.7") + statement_lines("dist.init_process_group(")
+    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), code_block(code)])
+
+
+def _accelerate_row(r: Run, split: str, n: int, b: int | None) -> list:
+    sh = accelerate_shards(n, r.world_size, b or r.recipe.get("eval_batch_size", 500), drop_last=b is not None)
+    steps = f"{sh['steps']} x {b} ({sh['unused']} unused: the short batch and the last round)"
+    row = [r.label, split, n, r.world_size, sh["shard"], sh["padding"]]
+    return row + [", ".join(map(str, sh["padded_ranks"])) or "none", "–" if b is None else steps]
+
+
+def _sampler_row(r: Run, split: str, n: int, b: int | None) -> list:
+    sh = shards(n, r.world_size, b)
+    steps = "–"
+    if b is not None:
+        logged = r.header.get("steps_per_epoch")
+        steps = f"{sh['steps']} x {b} ({sh['dropped']} dropped)"
+        steps += "" if logged in (None, sh["steps"]) else f"; the log says {logged}"
+    padded = ", ".join(map(str, sh["padded_ranks"])) or "none"
+    return [r.label, split, n, r.world_size, sh["shard"], sh["padding"], padded, steps]
+
+
+def _partition_rows(runs: list[Run]) -> tuple[list[list], bool]:
+    """The shards of each run's training and validation images; whether any run used Accelerate's prepare()."""
+    rows, accelerate = [], False
+    for r in runs:
+        batch = r.header.get("per_device_batch_size")
+        prepared = r.header.get("trainer") == "accelerate" and r.recipe.get("data_pipeline") != "device"
+        accelerate |= prepared
+        for split, key, b in (("train", "train_images", batch), ("validation", "val_images", None)):
+            n = r.header.get(key)
+            if isinstance(n, int) and prepared and isinstance(batch, int):
+                rows.append(_accelerate_row(r, split, n, b))
+            elif isinstance(n, int):
+                rows.append(_sampler_row(r, split, n, b))
+    return rows, accelerate
+
+
+ACCELERATE_DEALS = (
+    "For accel_train.py's DataLoader path there is no DistributedSampler: Accelerate's prepare() (A1.5) "
+    "deals the shuffled loader's batches out in rounds, rank r taking batches r, r + W, ... "
+    "(training drops the short batch and a last incomplete round; validation completes it with "
+    "repeats that gather_for_metrics leaves out). "
+)
+
+
+def partitioning_item(runs: list[Run]) -> Section:
+    rows, accelerate = _partition_rows(runs)
+    text = (
+        "DistributedSampler (R1.5) gives each rank ceil(n / world size) indices; the padding "
+        "(shard x world size - n) repeats the first indices, one each on the last ranks. Training "
+        "batches drop the short last one (drop_last); validation leaves the repeats out of its sums. "
+        + (ACCELERATE_DEALS if accelerate else "")
+        + "From each header's image counts and per-process batch:"
+    )
+    head = ["run", "split", "images", "ranks", "per rank", "padding", "ranks holding a repeat", "steps per epoch"]
+    return Section(
+        "D2",
+        "Demonstrate 2: data partitioning",
+        [
+            Text(text),
+            Table(head, rows),
+            Text("The sampler and its new shuffle each epoch (R1.6):"),
+            code_block(statement_lines("= DistributedSampler(") + code_lines("R1.6")),
+        ],
+    )
+
+
+def _gradient_row(r: Run, sent: tuple[int, int]) -> list:
+    comm = [e["comm_estimate"] for e in r.epochs if is_number(e.get("comm_estimate"))]
+    epoch = sum(e["epoch_time"] for e in r.epochs) / len(r.epochs) if r.epochs else None
+    measured = (
+        f"{sum(comm) / len(comm):.3f} s/epoch ({100 * sum(comm) / len(comm) / epoch:.1f}% of the epoch)"
+        if comm and epoch
+        else "not measured (run with --profile)"
+    )
+    return [
+        r.label,
+        r.header["model_parameters"],
+        "bf16" if r.recipe.get("grad_compression") == "bf16" else "fp32",
+        f"{sent[0] / MIB:.1f} MiB",
+        f"~{sent[1]}",
+        f"{2 * (r.world_size - 1) / r.world_size * sent[0] / MIB:.1f} MiB",
+        measured,
+    ]
+
+
+def gradient_sync_item(runs: list[Run]) -> Section:
+    rows = [_gradient_row(r, gradient_bytes(r)) for r in runs if gradient_bytes(r) and r.world_size > 1]
+    text = (
+        "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
+        "Bytes = parameters x 4 (gradients in the parameters' fp32, also under bf16 autocast; half with "
+        f"grad_compression bf16). Buckets: an estimate from DDP's default caps ({FIRST_BUCKET_MB} MiB "
+        f"first, then {BUCKET_CAP_MB} MiB). A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
+        "The measured cost is --profile's all-reduce estimate (the last batch's backward with and "
+        "without synchronisation, times the steps)."
+    )
+    head = ["run", "parameters", "gradients", "all-reduced per step", "buckets", "sent per rank (ring)"]
+    table = Table(head + ["measured all-reduce"], rows) if rows else Text("_No run with more than one process._")
+    blocks = [Text(text), table, code_block(statement_lines("= DDP("))]
+    return Section("D3", "Demonstrate 3: gradient synchronisation", blocks)
+
+
+def aggregation_item(runs: list[Run]) -> Section:
+    text = (
+        "The R1.9 lines of raw_ddp.py as they stand: images/sec is a SUM over the ranks (dist.reduce to "
+        "rank 0), validation loss and accuracy an AVG (all_reduce of sums and counts)."
+    )
+    head = ["run", "last epoch", "images/sec (SUM over ranks)", "per rank (SUM / N)", "val loss (AVG)"]
+    last = lambda r: r.epochs[-1]
+    rows = [
+        [
+            r.label,
+            last(r)["epoch"],
+            fmt(last(r)["images_per_sec"], 1),
+            fmt(last(r)["images_per_sec"] / r.world_size, 1),
+            fmt(last(r)["val_loss"], 4),
+            fmt(last(r)["val_accuracy"], 4),
+        ]
+        for r in runs
+        if r.epochs
+    ]
+    blocks = [Text(text), code_block(code_lines("R1.9")), Table(head + ["val accuracy (AVG)"], rows)]
+    return Section("D4", "Demonstrate 4: aggregating metrics across ranks", blocks)
+
+
+def scaling_item() -> Section:
+    text = (
+        "The scaling table is above (Scaling), computed only between comparable runs; the time profile "
+        "(with --profile) shows where an epoch's time goes."
+    )
+    return Section("D5", "Demonstrate 5: 1 vs N processes, Amdahl's law and the bottleneck", [Text(text)])
+
+
+def _recipe_change(before: Run, after: Run) -> str:
+    old, new = full_recipe(before.recipe), full_recipe(after.recipe)
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "; ".join(f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}" for k in keys) or "none"
+
+
+def _measures(r: Run) -> list:
+    return [
+        fmt(run_time_to_target(r), missing="not reached"),
+        fmt(mean_images_per_sec(r.epochs), 1),
+        fmt(r.epochs[-1]["val_accuracy"], 4) if r.epochs else "–",
+        len(r.epochs),
+    ]
+
+
+def compare_blocks(before: Run, after: Run) -> list:
+    """A before/after table from two of the student's logs, and what else than the recipe differs."""
+    other = [str(d) for d in differences([before, after]) if d.key != "recipe"]
+    if before.world_size != after.world_size:
+        other.append(f"world size ({before.world_size} vs {after.world_size})")
+    head = ["", "recipe change", "Cumulative Time to target (s)", "mean images/sec", "final val accuracy", "epochs"]
+    rows = [
+        [f"before: {before.label}", _recipe_change(before, after), *_measures(before)],
+        [f"after: {after.label}", "", *_measures(after)],
+    ]
+    title = f"**Before/after** (`--compare {before.path} {after.path}`)"
+    title += f"; **not like for like: they also differ in {'; '.join(other)}**" if other else ""
+    return [Text(title + ":"), Table(head, rows)]
+
+
+def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) -> Section:
+    run = main_run(runs)
+    changes = optimisations(run)
+    blocks: list = [
+        Text(
+            f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml in what it computes:"
+            if changes
+            else f"None: `{run.label}` trained with the baseline recipe, unchanged."
+        )
+    ]
+    if changes:
+        rows = [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes]
+        blocks.append(Table(["recipe key", "baseline", "used", "why"], rows))
+    other = [c for c in recipe_changes(run) if c not in changes]
+    if other:
+        blocks.append(
+            Text(
+                "Not optimisations (they set how long the run goes, when it stops or its random seed, not what "
+                "it computes): " + "; ".join(f"{key} {base} -> {used}" for key, base, used in other) + "."
+            )
+        )
+    for before, after in compare:
+        blocks += compare_blocks(before, after)
+    if not compare:
+        blocks.append(
+            Text(
+                "**Before/after:** [you measure: pass the logs of a run without and with the change, "
+                "`--compare BEFORE.jsonl AFTER.jsonl`]"
+            )
+        )
+    return Section("D6", "Demonstrate 6: optimisations", blocks)
+
+
+def demonstrate(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) -> list[Section]:
+    """Demonstrate 1-6, each closing with the student's explanation (EXPLAIN's slot for it)."""
+    items = [
+        (topology_item(runs), "topology"),
+        (partitioning_item(runs), "partitioning"),
+        (gradient_sync_item(runs), "gradient_sync"),
+        (aggregation_item(runs), "aggregation"),
+        (scaling_item(), "scaling"),
+        (optimisations_item(runs, notes, compare), "optimisations"),
+    ]
+    for section, key in items:
+        section.blocks.append(_explain(notes, key))
+    return [section for section, _ in items]

@@ -1,0 +1,289 @@
+"""Reading run logs: the JSON-lines log of cifar_wrn/runlog.py (a header, then one object per epoch), checked,
+as one Run however often it was resumed.
+
+A log is one run: each `--auto-resume` appends a header with `resumed_at`, and the headers that a trainer
+would have resumed as one run are read as its segments (epochs in order, Cumulative Time continuing).
+Anything else in one file (another run's header) is refused, naming the line.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+
+HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
+EPOCH_FIELDS = ("epoch", "cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy")
+HINT = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
+RUN_LOG = "log.jsonl"  # the trainers' log in a run folder: runs/<name>/log.jsonl
+
+
+class LogError(UserError):
+    """A file that is missing, unreadable or not a run log."""
+
+
+@dataclass
+class Segment:
+    """One stretch of a run in its log: from a header to the next. The first starts the run; each later one
+    is a resume (`--auto-resume` after a preemption or a requeue), whose header carries `resumed_at`."""
+
+    line: int  # the header's line number in the file
+    header: dict
+
+    @property
+    def resumed_at(self) -> dict | None:
+        return self.header.get("resumed_at")
+
+    def where(self) -> str:
+        """'epoch 3 step 60' for a resume, '' for the start of the run."""
+        at = self.resumed_at
+        return f"epoch {at.get('epoch')} step {at.get('step')}" if isinstance(at, dict) else ""
+
+
+@dataclass
+class Run:
+    path: Path
+    header: dict  # the first header: how the run started
+    epochs: list[dict]  # in epoch order, one per epoch (a resume's record replaces an older one)
+    label: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the reader should know about the log itself
+
+    @property
+    def world_size(self) -> int:
+        return self.header["world_size"]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.header["num_nodes"]
+
+    @property
+    def num_gpus(self) -> int:
+        return self.header["num_gpus"]
+
+    @property
+    def recipe(self) -> dict:
+        """The recipe the run ended with: a resume may change the stopping rule (RESUMABLE_CHANGES)."""
+        return (self.segments[-1].header if self.segments else self.header)["recipe"]
+
+    @property
+    def target(self) -> float:
+        return self.recipe["target_accuracy"]
+
+    @property
+    def patience(self) -> int:
+        return self.recipe["patience"]
+
+    @property
+    def rules(self) -> tuple[list[float], list[int]]:
+        """(targets, patiences), one per epoch: the stopping rule of the header in force when it was logged."""
+
+        def rule(epoch: dict, key: str):
+            line = epoch.get("log_line", 0)
+            headers = [s.header for s in self.segments if s.line < line] or [self.header]
+            return headers[-1]["recipe"][key]
+
+        return [rule(e, "target_accuracy") for e in self.epochs], [rule(e, "patience") for e in self.epochs]
+
+    @property
+    def accuracies(self) -> list[float]:
+        return [e["val_accuracy"] for e in self.epochs]
+
+    @property
+    def config(self) -> tuple:
+        return (self.num_nodes, self.num_gpus, self.header["backend"], self.header["device"])
+
+    @property
+    def resumes(self) -> list[Segment]:
+        return self.segments[1:] if self.segments and self.segments[0].resumed_at is None else self.segments
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def full_recipe(recipe: dict) -> dict:
+    """A header's recipe with the keys it lacks at their defaults: a key newer than the trainer that wrote
+    the log had its default then (new recipe keys default to the old behaviour)."""
+    from ..recipe import Recipe, as_dict  # torch, a dependency of the project anyway
+
+    return {**as_dict(Recipe()), **recipe}
+
+
+def _records(path: Path):
+    """(line number, JSON object) of every non-blank line; a LogError names the file (and line)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LogError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LogError(f"{path}: is a folder, not a run log") from None
+    except UnicodeDecodeError:
+        raise LogError(f"{path}: not a run log (not a text file)") from None
+    except OSError as exc:
+        raise LogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise LogError(f"{path}, line {number}: not JSON; {HINT}") from None
+        if not isinstance(record, dict):
+            raise LogError(f"{path}, line {number}: not a JSON object; {HINT}")
+        yield number, record
+
+
+def _check_header(where: str, record: dict) -> None:
+    missing = [k for k in HEADER_FIELDS if k not in record]
+    if missing:
+        raise LogError(f"{where}: the header lacks {', '.join(missing)}")
+    for key in ("world_size", "num_nodes", "num_gpus"):
+        if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
+            raise LogError(f"{where}: header {key} must be a positive integer (got {record[key]!r})")
+    if record["world_size"] != record["num_nodes"] * record["num_gpus"]:
+        raise LogError(
+            f"{where}: header world_size {record['world_size']} is not num_nodes x num_gpus = "
+            f"{record['num_nodes']} x {record['num_gpus']}"
+        )
+    recipe = record.get("recipe")
+    if (
+        not isinstance(recipe, dict)
+        or not is_number(recipe.get("target_accuracy"))
+        or not isinstance(recipe.get("patience"), int)
+    ):
+        raise LogError(f"{where}: the header has no recipe with target_accuracy and patience")
+    at = record.get("resumed_at")
+    if at is not None and not (
+        isinstance(at, dict)
+        and isinstance(at.get("epoch"), int)
+        and at["epoch"] >= 1
+        and isinstance(at.get("step"), int)
+    ):
+        raise LogError(f'{where}: resumed_at must be null or {{"epoch": N >= 1, "step": M}} (got {at!r})')
+
+
+def other_run(first: dict, later: dict) -> str | None:
+    """Why the header `later` does not continue the run that `first` started, or None when it does: the
+    trainers' own rule for a resume (cifar_wrn/checkpoint.py resume_problem: the same world size, model,
+    data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
+    trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
+    from ..checkpoint import resume_problem
+
+    data = ("train_images", "val_images", "steps_per_epoch")
+    started = {
+        "world_size": first["world_size"],
+        "model_width": first.get("model_width"),
+        "architecture": first.get("architecture"),  # logs before the course's model lack it
+        "recipe": full_recipe(first["recipe"]),
+        **{k: first[k] for k in data if k in first},
+    }
+    return resume_problem(
+        started,
+        full_recipe(later["recipe"]),
+        later["world_size"],
+        later.get("model_width"),
+        {k: later[k] for k in data if k in later and k in first},
+        later.get("architecture"),
+    )
+
+
+def log_path(path) -> Path:
+    """A run folder stands for the log.jsonl in it; a file is itself."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / RUN_LOG).is_file():
+            raise LogError(f"{path}: a folder without {RUN_LOG}: give a run log or a run folder that holds one")
+        return path / RUN_LOG
+    return path
+
+
+def _check_resume(where: str, segments: list[Segment], record: dict) -> None:
+    """A later header must be a resume of the run the first one started."""
+    start = segments[0]
+    if record.get("resumed_at") is None:
+        raise LogError(
+            f"{where}: a second header without resumed_at: a new run starts here, not a "
+            f"resume of the run of line {start.line}; one run per file"
+        )
+    problem = other_run(start.header, record)
+    if problem:
+        raise LogError(
+            f"{where}: this header is not a resume of the run of line {start.line} ({problem}); one run per file"
+        )
+
+
+def _resume(segment: Segment, epochs: dict[int, dict], notes: list[str]) -> None:
+    """Drop the epochs a resume trains again (its checkpoint was older than them) and note any gap."""
+    resumed, number = segment.resumed_at["epoch"], segment.line
+    redone = sorted(e for e in epochs if e >= resumed)
+    for e in redone:
+        del epochs[e]
+    if redone:
+        notes.append(
+            f"line {number} resumes at {segment.where()}, before epoch(s) "
+            f"{', '.join(map(str, redone))} already logged: those were trained again; the "
+            f"table shows the later records"
+        )
+    if resumed > max(epochs, default=0) + 1:
+        notes.append(
+            f"line {number} resumes at {segment.where()}, but this file holds no record of "
+            f"epoch(s) {max(epochs, default=0) + 1}..{resumed - 1}"
+        )
+
+
+def _check_epoch(where: str, record: dict, epochs: dict[int, dict]) -> None:
+    bad = [k for k in EPOCH_FIELDS if not is_number(record.get(k))]
+    if bad:
+        raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
+    if not isinstance(record["epoch"], int) or record["epoch"] < 1:
+        raise LogError(f"{where}: the epoch record's epoch must be a whole number >= 1 (got {record['epoch']!r})")
+    if epochs and record["epoch"] <= max(epochs):
+        raise LogError(
+            f"{where}: epoch {record['epoch']} after epoch {max(epochs)} with no resume "
+            f"between them (two runs appended to one file?); one run per file"
+        )
+
+
+def read_run(path) -> Run:
+    """A run log, checked: a LogError names the file (and line) when it is not one. A log with several
+    headers is one run resumed (each later header has `resumed_at` and continues the first one's run):
+    its epochs are read in order, a resume's record of an epoch replacing any older one."""
+    path = log_path(path)
+    segments: list[Segment] = []
+    epochs: dict[int, dict] = {}
+    notes: list[str] = []
+    for number, record in _records(path):
+        where = f"{path}, line {number}"
+        if record.get("kind") == "header":
+            _check_header(where, record)
+            if segments:
+                _check_resume(where, segments, record)
+            segment = Segment(number, record)
+            if segment.resumed_at is not None:
+                _resume(segment, epochs, notes)
+            segments.append(segment)
+        elif record.get("kind") == "epoch":
+            if not segments:
+                raise LogError(f"{where}: an epoch record before the header; {HINT}")
+            _check_epoch(where, record, epochs)
+            epochs[record["epoch"]] = dict(record, log_line=number)
+        # other kinds of record (none today) are left alone: a newer trainer may add some
+    if not segments:
+        raise LogError(f"{path}: not a run log (no header record); {HINT}")
+    return Run(path, segments[0].header, [epochs[e] for e in sorted(epochs)], segments=segments, notes=notes)
+
+
+def label_runs(runs: list[Run]) -> None:
+    """A short, unique name per run (the file name without .jsonl, the folder's for a run folder's log), used
+    in tables and figure names."""
+    names = [r.path.parent.name if r.path.name == RUN_LOG and r.path.parent.name else r.path.stem for r in runs]
+    for run, name in zip(runs, names):
+        if names.count(name) > 1:
+            name = f"{run.path.parent.name}/{name}" if run.path.parent.name else name
+        run.label = name
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.label] = seen.get(run.label, 0) + 1
+        if seen[run.label] > 1:
+            run.label = f"{run.label} #{seen[run.label]}"
