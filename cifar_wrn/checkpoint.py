@@ -18,7 +18,7 @@ import torch
 
 from .errors import RunStopped, UserError, agreed_problem
 from .model import ARCHITECTURE
-from .recipe import Recipe, as_dict
+from .recipe import RETIRED, Recipe, as_dict
 
 FILENAME = "checkpoint.pt"
 # Recipe keys a resume may change: they do not alter what was trained (`epochs` only with a constant LR).
@@ -505,9 +505,10 @@ def resume_problem(
                 f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
                 f"resume with the same data ({flag}) and batch size"
             )
-    # keys newer than the checkpoint: it had their defaults
+    # keys newer than the checkpoint: it had their defaults; keys that left the code: gone where they were off
     defaults = as_dict(Recipe())
-    old = {**{k: defaults[k] for k in recipe if k in defaults}, **checkpoint["recipe"]}
+    saved = {k: v for k, v in checkpoint["recipe"].items() if k not in RETIRED or RETIRED[k] != v}
+    old = {**{k: defaults[k] for k in recipe if k in defaults}, **saved}
     allowed = RESUMABLE_CHANGES - ({"epochs"} if old["lr_schedule"] != "constant" else set())
     changed = sorted(k for k in old if k not in allowed and old[k] != recipe.get(k))
     if changed:

@@ -103,11 +103,13 @@ def is_number(value) -> bool:
 
 
 def full_recipe(recipe: dict) -> dict:
-    """A header's recipe with the keys it lacks at their defaults: a key newer than the trainer that wrote
-    the log had its default then (new recipe keys default to the old behaviour)."""
-    from ..recipe import Recipe, as_dict  # torch, a dependency of the project anyway
+    """A header's recipe with the keys it lacks at their defaults (a key newer than the trainer that wrote the
+    log had its default then: new keys default to the old behaviour), less the keys that left the code where
+    they hold the value that left training unchanged."""
+    from ..recipe import RETIRED, Recipe, as_dict  # torch, a dependency of the project anyway
 
-    return {**as_dict(Recipe()), **recipe}
+    kept = {key: value for key, value in recipe.items() if key not in RETIRED or RETIRED[key] != value}
+    return {**as_dict(Recipe()), **kept}
 
 
 def _records(path: Path):
