@@ -14,17 +14,14 @@ bench/train_step.py --levers measures whole steps directly.
 
 import argparse
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.optim import build_optimizer  # noqa: E402
-from cifar_wrn.pipeline import alternating_flips, random_crop_flip  # noqa: E402
-from cifar_wrn.recipe import load_recipe  # noqa: E402
+from cifar_wrn.model import WideResNet
+from cifar_wrn.optim import build_optimizer
+from cifar_wrn.pipeline import alternating_flips, random_crop_flip
+from cifar_wrn.recipe import load_recipe
 
 # Lookahead timed with a pull after every step (k = 1): its cost at k = 5 is a fifth of the difference.
 LEVERS = {

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, cpu_env, data_flags, free_port, run
-from conftest import raw_ddp as run_raw
+from helpers import REPO, TINY, cpu_env, data_flags, free_port, run
+from helpers import raw_ddp as run_raw
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from cifar_wrn.data import MEAN, STD, SkipFirst
@@ -287,6 +287,7 @@ def test_lever_values_are_checked(overrides, message):
         load_recipe("fast", overrides)
 
 
+@pytest.mark.slow
 def test_a_bad_lever_value_is_one_error_line(cifar_dir):
     result = run_raw("--num-gpus", 2, *TINY, "--data-dir", cifar_dir, "--set", "lookahead_alpha=2")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: invalid recipe")
@@ -296,6 +297,7 @@ def test_a_bad_lever_value_is_one_error_line(cifar_dir):
 # ----------------------------------------------------------------------------- under DDP, end to end
 
 
+@pytest.mark.slow
 def test_replicas_stay_identical_with_muon_and_lookahead(tmp_path):
     """tests/ddp_equivalence.py with the levers: bitwise equal weights on both ranks after every step, and
     the same weights as one process on both ranks' batches (up to the bf16 of Newton-Schulz)."""
@@ -313,6 +315,7 @@ def test_replicas_stay_identical_with_muon_and_lookahead(tmp_path):
     assert checks["max_diff_vs_single"] < 0.1 * checks["max_change"]
 
 
+@pytest.mark.slow
 def test_every_lever_end_to_end_and_resumed_exactly(cifar_dir, tmp_path):
     """2 processes, the fast recipe with every lever on: it trains, and a run stopped after epoch 1 and
     resumed from its checkpoint ends with the same weights and metrics as one that was not."""
