@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, raw_ddp_command  # bench/common.py; it puts cifar_wrn on sys.path
+from common import REPO, raw_ddp_command  # bench/common.py
 
 from cifar_wrn.cli import free_port
 from cifar_wrn.runlog import read_log

@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # cifar_wrn for the scripts, which import this module first
 
 
 def raw_ddp_command(num_gpus, *args) -> list[str]:

@@ -17,8 +17,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from cifar_wrn.runlog import read_log  # noqa: E402
+from cifar_wrn.runlog import read_log
 
 VARIANTS = {
     "fast (reference)": [],

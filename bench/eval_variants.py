@@ -17,19 +17,16 @@ with this script's --translate until 61300ae: docs/optimizations.md.)
 """
 
 import argparse
-import copy
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import load_split  # noqa: E402
-from cifar_wrn.ema import evaluated_network, recalibrate_bn  # noqa: E402
-from cifar_wrn.evaluation import tta_logits  # noqa: E402
-from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.pipeline import DeviceBatches, recalibration_batches  # noqa: E402
-from cifar_wrn.recipe import Recipe  # noqa: E402
+from cifar_wrn.data import load_split
+from cifar_wrn.ema import recalibrated
+from cifar_wrn.evaluation import tta_logits
+from cifar_wrn.model import WideResNet
+from cifar_wrn.pipeline import DeviceBatches
+from cifar_wrn.recipe import Recipe
 
 
 def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
@@ -37,27 +34,6 @@ def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
     model = WideResNet(width=width)
     model.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     return model.eval()
-
-
-def recalibrated(eval_model, train_set, recipe: Recipe, world_size: int):
-    """A copy of the evaluated network (an EMA's inner network) whose BatchNorm statistics are re-estimated
-    as a `world_size`-process run of `recipe` does it (its bn_recalibration, batch size, seed and layout):
-    each rank on its share (recalibration_batches), then the mean over the ranks (the entry points'
-    all-reduce)."""
-    network = evaluated_network(eval_model)
-    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
-    shares = []
-    for rank in range(world_size):
-        share = copy.deepcopy(network)
-        recalibrate_bn(
-            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda stat: None
-        )
-        shares.append(dict(share.named_buffers()))
-    result = copy.deepcopy(network)
-    for name, buffer in result.named_buffers():
-        if name.endswith(("running_mean", "running_var")):
-            buffer.copy_(sum(share[name] for share in shares) / world_size)
-    return result
 
 
 @torch.no_grad()

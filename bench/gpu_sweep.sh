@@ -75,7 +75,6 @@ echo "=== done at t=${SECONDS}s; validation accuracy per epoch (EMA, flip TTA as
 python3 - "$LOGS" <<'EOF'
 import sys
 from pathlib import Path
-sys.path.insert(0, ".")
 from cifar_wrn.runlog import read_log
 for log in sorted(Path(sys.argv[1]).glob("*.jsonl")):
     try:

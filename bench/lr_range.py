@@ -13,19 +13,16 @@ norm takes off is the rate the warmup must not outrun. --clip-norm clips the gra
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.data import CIFAR10, load_split  # noqa: E402
-from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.optim import build_optimizer  # noqa: E402
-from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
-from cifar_wrn.recipe import load_recipe, parse_set  # noqa: E402
+from cifar_wrn.data import CIFAR10, load_split
+from cifar_wrn.model import WideResNet
+from cifar_wrn.optim import build_optimizer
+from cifar_wrn.pipeline import DeviceBatches
+from cifar_wrn.recipe import load_recipe, parse_set
 
 
 def main():

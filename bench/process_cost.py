@@ -4,7 +4,7 @@
 
 The tests' runs train for about a second; the rest of what they cost is Python starting and stopping three
 processes (the launcher and two ranks, each importing torch and, through DistributedDataParallel, torch._dynamo).
-This script times the same tiny run (the tests' synthetic data and width-4 model, 2 epochs) with and without
+This script times the same tiny run (synthetic data of the tests' size, their width-4 model, 2 epochs) with and without
 tests/lean_gc on PYTHONPATH, alternating, and reports per variant the median wall time and CPU seconds (user +
 system of the run's processes, from the kernel's accounting of waited-for children) and the ratio of the two
 variants from the same invocation. Run it on a quiet machine; it takes about a minute per round.
@@ -12,18 +12,33 @@ variants from the same invocation. Run it on a quiet machine; it takes about a m
 
 import argparse
 import os
+import pickle
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from common import REPO, raw_ddp_command  # bench/common.py
 
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import LEAN_GC, TINY, TRAIN_IMAGES, VAL_IMAGES, write_cifar  # noqa: E402
+LEAN_GC = REPO / "tests" / "lean_gc"
+# The tests' tiny run (tests/helpers.py: TINY, write_cifar's sizes); random images cost what theirs do.
+TINY = ["--device", "cpu", "--model-width", "4", "--set", "eval_batch_size=64"]
+PER_TRAIN_FILE, VAL_IMAGES = 64, 101
+
+
+def write_random_cifar(root: Path) -> Path:
+    """CIFAR-10's python layout under root: 5 training files of PER_TRAIN_FILE random images, VAL_IMAGES to validate."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, n in [*((f"data_batch_{i}", PER_TRAIN_FILE) for i in range(1, 6)), ("test_batch", VAL_IMAGES)]:
+        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, n).tolist()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return root
 
 
 def children_cpu() -> float:
@@ -42,7 +57,7 @@ def one_run(data_dir: Path, lean_gc: bool) -> tuple[float, float]:
         "--data-dir",
         str(data_dir),
         "--train-subset",
-        str(TRAIN_IMAGES),
+        str(5 * PER_TRAIN_FILE),
         "--val-subset",
         str(VAL_IMAGES),
         "--epochs",
@@ -58,7 +73,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=4, help="runs per variant, alternating (default 4)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = write_cifar(Path(tmp))
+        data_dir = write_random_cifar(Path(tmp))
         times = {False: [], True: []}
         for _ in range(args.rounds):
             for lean_gc in (False, True):

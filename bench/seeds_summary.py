@@ -23,9 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cifar_wrn.report.scaling import stopping_epoch  # noqa: E402  (the trainers' stopping rule)
-from cifar_wrn.runlog import read_log  # noqa: E402
+from cifar_wrn.report.scaling import stopping_epoch  # (the trainers' stopping rule)
+from cifar_wrn.runlog import read_log
 
 IGNORED_KEYS = {"seed"}  # what may differ between seeds of one recipe
 

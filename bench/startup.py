@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from common import REPO, raw_ddp_command  # bench/common.py; it puts cifar_wrn on sys.path
+from common import REPO, raw_ddp_command  # bench/common.py
 
 from cifar_wrn.runlog import read_log
 

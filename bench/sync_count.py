@@ -26,18 +26,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from cifar_wrn.cli import free_port  # noqa: E402
-from cifar_wrn.data import SkipFirst  # noqa: E402
-from cifar_wrn.ema import build_ema  # noqa: E402
-from cifar_wrn.errors import UserError  # noqa: E402
-from cifar_wrn.model import WideResNet  # noqa: E402
-from cifar_wrn.optim import build_training  # noqa: E402
-from cifar_wrn.pipeline import DeviceBatches  # noqa: E402
-from cifar_wrn.recipe import load_recipe, parse_set  # noqa: E402
-from cifar_wrn.resilience import StepGuard  # noqa: E402
+from cifar_wrn.cli import free_port
+from cifar_wrn.data import SkipFirst
+from cifar_wrn.ema import build_ema
+from cifar_wrn.errors import UserError
+from cifar_wrn.model import WideResNet
+from cifar_wrn.optim import build_training
+from cifar_wrn.pipeline import DeviceBatches
+from cifar_wrn.recipe import load_recipe, parse_set
+from cifar_wrn.resilience import StepGuard
 
+REPO = Path(__file__).resolve().parent.parent
 PHASES = ("data", "forward", "backward", "clip", "optimizer", "scheduler", "ema", "guard")
 
 

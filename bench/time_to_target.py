@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from cifar_wrn.runlog import criterion_met, read_log  # noqa: E402
+from cifar_wrn.runlog import criterion_met, read_log
 
 
 def criterion_epoch(epochs, target, patience):

@@ -18,7 +18,7 @@ import dataclasses
 import time
 
 import torch
-from common import add_timing_flags, apply_timing_flags  # bench/common.py; it puts cifar_wrn on sys.path
+from common import add_timing_flags, apply_timing_flags  # bench/common.py
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from cifar_wrn.data import CIFAR10

@@ -1,9 +1,13 @@
 """EMA of the weights, decay min(d, (1 + n) / (10 + n)): a fixed d would keep d**n of the random init."""
 
+import copy
+
 import numpy
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, update_bn
+
+from .pipeline import recalibration_batches
 
 
 def warmed_up_decay(decay: float, num_updates):
@@ -67,3 +71,23 @@ def recalibrate_bn(eval_model: nn.Module, batches: list, autocast: dict, average
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             average(module.running_mean)
             average(module.running_var)
+
+
+def recalibrated(eval_model: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
+    """A copy of the evaluated network whose BatchNorm statistics are re-estimated in this one process as a
+    `world_size`-process run of `recipe` does it (its bn_recalibration, batch size, seed and layout): each rank
+    on its share (recalibration_batches), then the mean over the ranks (the trainers' all-reduce). On the CPU."""
+    network = evaluated_network(eval_model)
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
+    shares = []
+    for rank in range(world_size):
+        share = copy.deepcopy(network)
+        recalibrate_bn(
+            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda stat: None
+        )
+        shares.append(dict(share.named_buffers()))
+    result = copy.deepcopy(network)
+    for name, buffer in result.named_buffers():
+        if name.endswith(("running_mean", "running_var")):
+            buffer.copy_(sum(share[name] for share in shares) / world_size)
+    return result

@@ -1,5 +1,5 @@
 """accel_train.py as users run it: `accelerate launch` (and torchrun) with 2 gloo CPU processes, tiny models,
-hard timeouts (conftest.start/finish: a new session per launch, the whole group killed on timeout).
+hard timeouts (helpers.start/finish: a new session per launch, the whole group killed on timeout).
 
 Parity with raw_ddp.py is statistical, not bitwise: the two trainers start from the same weights (the same
 seed before WideResNet()) and use the same recipe, LR, batch sizes and steps, but they deal the images out
@@ -23,7 +23,14 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from conftest import (
+from checks import (
+    check_bn_recalibrated,
+    check_metrics_of_saved_weights,
+    check_profile,
+    check_slow_bf16_warning,
+    parameter_distance,
+)
+from helpers import (
     ACCEL_TINY,
     EPOCH_LINE,
     EVERY_OPTION,
@@ -31,15 +38,10 @@ from conftest import (
     ONE_STEP,
     REPO,
     TRAIN_IMAGES,
-    check_bn_recalibrated,
-    check_metrics_of_saved_weights,
-    check_profile,
-    check_slow_bf16_warning,
     cpu_env,
     data_flags,
     finish,
     free_port,
-    parameter_distance,
     profile_flags,
     raise_in_rank_env,
     start,
@@ -60,7 +62,7 @@ from cifar_wrn.runlog import read_log
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
 
-# The parity data: conftest's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
+# The parity data: helpers.write_cifar's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
 PARITY_TRAIN, PARITY_VAL, PARITY_EPOCHS = 640, 301, 6
 
 
@@ -225,6 +227,7 @@ def accel_run(parity_dir, tmp_path_factory):
     return result, *read_log(out / "log.jsonl"), out / "w.pt"
 
 
+@pytest.mark.xdist_group("test_accel.accel_run")
 @pytest.mark.core
 def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
     result, header, epochs, weights = accel_run
@@ -260,6 +263,8 @@ def test_accelerate_launch_two_cpu_processes(accel_run, parity_dir):
     )  # a count out of 301, not 302
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_accel.accel_run")
 def test_parity_with_raw_ddp(accel_run, parity_dir, tmp_path):
     _, header, epochs, _ = accel_run
     cmd = [
@@ -320,6 +325,8 @@ def bf16_profile_run(cifar_dir, tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_accel.bf16_profile_run")
 def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config: 2 CPU processes, bf16 autocast, noted in the log."""
     result, out = bf16_profile_run
@@ -331,6 +338,8 @@ def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_accel.one_step_runs")
 def test_torchrun_launch(one_step_runs):
     result = one_step_runs.start
     assert result.returncode == 0, result.stderr[-3000:]
@@ -348,6 +357,7 @@ def assert_refused(result, message, log: Path):
     assert not EPOCH_LINE.search(result.stdout) and not log.exists()  # nobody trained
 
 
+@pytest.mark.slow
 def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_trains_on_the_cpu_after_a_warning(cifar_dir, tmp_path):
     """The trap: `use_cpu: true` does not reach MULTI_GPU processes, and without CUDA each would train alone. With
     --device auto (the default) and no CUDA, accel_train.py asks Accelerate for the CPU itself, as raw_ddp.py
@@ -367,6 +377,7 @@ def test_multi_gpu_config_with_use_cpu_but_no_cpu_flag_trains_on_the_cpu_after_a
     assert_refused(refused, r"--device cuda, but CUDA is not available here", cuda)
 
 
+@pytest.mark.slow
 def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
     """The trap: `accelerate launch --cpu --num_processes 2` starts one process."""
     log = tmp_path / "log.jsonl"
@@ -397,6 +408,7 @@ def test_accelerate_cpu_num_processes_2_is_refused(cifar_dir, tmp_path):
     assert_refused(result, "accelerate launch was asked for several processes but started only this one", log)
 
 
+@pytest.mark.slow
 def test_missing_data_is_said_once(tmp_path):
     """Both ranks find the data missing and stop together; the node's main process alone says so, in one line
     (accelerate launch adds its own report of the failed processes after it)."""
@@ -414,6 +426,7 @@ def test_missing_data_is_said_once(tmp_path):
     assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in ours[0]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     """One rank crashes: the launcher stops the other one; nothing is left waiting in a collective."""
     result = accelerate_launch(
@@ -439,6 +452,7 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch):
         accel_train.resolve(accel_train.parse_args(["--cpu", "--set", "sync_bn=true"]))
 
 
+@pytest.mark.slow
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
     bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
@@ -528,6 +542,8 @@ def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_accel.one_step_runs")
 def test_grad_clip_norm_bounds_the_step(one_step_runs):
     """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
     moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
@@ -552,6 +568,7 @@ def test_resume_needs_a_checkpoint_dir(tmp_path, monkeypatch):
         accel_train.resolve(accel_train.parse_args(["--auto-resume"]))
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_dir, tmp_path):
     launch = lambda *flags, env=None: accelerate_launch(
         CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *flags), env=env
@@ -613,6 +630,7 @@ def worker_processes(launcher_pid, count=2, timeout=60):
     pytest.fail("ranks did not start")
 
 
+@pytest.mark.slow
 def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     """SIGUSR1 goes to the ranks (not to accelerate launch: torchrun's agent has no handler for it and would
     die, leaving the ranks running). They agree at the next check, write a checkpoint and exit 75; the agent
@@ -637,6 +655,7 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert 0 < state["step"] <= 40 and not state["finished"]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     from test_reliability import DIVERGES, check_diverged
 
@@ -649,6 +668,8 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
 # ----------------------------------------------------------------------------- --profile, --trace (issue 6)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_accel.bf16_profile_run")
 def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run):
     """bf16_profile_run (with the launch tests above). 2 epochs: parts not reset between epochs would exceed the
     second epoch's time."""

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     PER_TRAIN_FILE,
     TRAIN_IMAGES,
     VAL_IMAGES,
@@ -25,7 +25,7 @@ from conftest import (
     synthetic_batch,
     two_node_flags,
 )
-from conftest import (
+from helpers import (
     raw_ddp as run_raw,
 )
 from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags
@@ -253,6 +253,8 @@ def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatc
 # copied: a node resuming, or refusing to, must not write into the shared ones.
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("raw/ck", tmp_path)
     node0, node1 = two_nodes(
@@ -267,6 +269,8 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_raw(cifar_dir, 
         assert "Epoch = " not in node.stdout and "Traceback" not in node.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("accel/ck", tmp_path)
     node_flags = lambda folder: [
@@ -279,6 +283,8 @@ def test_auto_resume_where_one_node_sees_a_checkpoint_stops_both_accel(cifar_dir
         assert 'accel_train.py", line' not in node.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 @pytest.mark.parametrize("case", ["no checkpoint on node 1", "random_states_1.pkl missing"])
 def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_runs, case):
     """--resume where node 1 lacks the checkpoint (it once stopped alone before the group formed, leaving node 0
@@ -308,6 +314,8 @@ def test_a_node_that_cannot_resume_stops_both_accel(cifar_dir, tmp_path, resume_
         assert "Epoch = " not in node.stdout and 'accel_train.py", line' not in node.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_with_another_data_size_is_refused(cifar_dir, tmp_path, resume_runs):
     ck = resume_runs.copy("raw/ck", tmp_path / "raw")
     other = run_raw(
@@ -343,6 +351,8 @@ def as_a_checkpoint_of_the_earlier_model(path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_a_checkpoint_of_the_earlier_model_is_refused_and_kept(cifar_dir, tmp_path, resume_runs):
     """A checkpoint written before the model became the course's cannot continue: one error line, said by each
     rank, that the model changed; the checkpoint is left as it was."""
@@ -368,6 +378,7 @@ def test_a_checkpoint_of_the_earlier_model_is_refused_and_kept(cifar_dir, tmp_pa
 # ----------------------------------------------------------------------------- data: every node has it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
     empty = tmp_path / "empty"
@@ -383,6 +394,7 @@ def test_a_node_without_the_data_stops_every_node(cifar_dir, tmp_path, trainer):
         assert "Epoch = " not in node.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir, tmp_path, trainer, nodes):
@@ -419,6 +431,7 @@ def test_malformed_labels_stop_every_rank_with_a_line_naming_the_file(cifar_dir,
 # ----------------------------------------------------------------------------- --profile after a resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path, trainer):
     """A stop at the epoch's last step leaves a checkpoint with step == steps_per_epoch: the resumed epoch
@@ -440,7 +453,7 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
         )
         env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
     proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)
-    from conftest import wait_for_epoch
+    from helpers import wait_for_epoch
 
     wait_for_epoch(tmp_path / "stopped.jsonl")
     os.killpg(proc.pid, signal.SIGTERM) if trainer == "raw" else proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from checks import (
+    check_bn_recalibrated,
+    check_metrics_of_saved_weights,
+    check_slow_bf16_warning,
+    parameter_distance,
+)
+from helpers import (
     EVERY_OPTION,
     FAST_2_EPOCHS,
     ONE_STEP,
@@ -16,18 +22,14 @@ from conftest import (
     TINY,
     TRAIN_IMAGES,
     VAL_IMAGES,
-    check_bn_recalibrated,
-    check_metrics_of_saved_weights,
-    check_slow_bf16_warning,
     cpu_env,
     data_flags,
     finish,
-    parameter_distance,
     pythonpath_with,
     run,
     start,
 )
-from conftest import (
+from helpers import (
     raw_ddp as run_raw,
 )
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -116,6 +118,7 @@ def test_fast_recipe_file():
     assert fast.nesterov and fast.momentum > 0 and fast.batch_size > load_recipe("baseline").batch_size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, tmp_path, trainer):
     """The fast recipe with ema_decay 0: the evaluated network is the trained one, in bf16 with flip TTA. Both
@@ -135,6 +138,7 @@ def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, 
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
 
 
+@pytest.mark.slow
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
     flip TTA, augmentation, a doubled rate for BatchNorm parameters and BatchNorm recalibration on 100 training
@@ -145,7 +149,7 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
         "--num-gpus",
         2,
         *TINY,
-        *FAST_2_EPOCHS,  # (conftest: without the safety net's extra epoch)
+        *FAST_2_EPOCHS,  # (helpers: without the safety net's extra epoch)
         *data_flags(cifar_dir),
         *[a for o in EVERY_OPTION for a in ("--set", o)],
         "--save",
@@ -216,6 +220,8 @@ def one_step(cifar_dir, weights, *flags):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_fast.one_step_runs")
 def test_grad_clip_norm_bounds_the_step(one_step_runs):
     """One SGD step at learning rate 1 with grad_clip_norm=0.001 moves the parameters by exactly 0.001 (L2):
     the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
@@ -280,12 +286,10 @@ def test_recalibration_gives_every_rank_the_same_batches(images, world_size, bat
 
 
 SYNC_BN_STAND_IN = """
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, os.getcwd()); sys.path.insert(0, "tests")
+import sys, torch, torch.distributed as dist
 from cifar_wrn.ema import recalibrate_bn
-from cifar_wrn.pipeline import recalibration_batches
+from cifar_wrn.pipeline import DeviceBatches, recalibration_batches
 from cifar_wrn.recipe import load_recipe
-from test_fast import random_train_set
 
 class Collective(torch.nn.Module):  # what SyncBatchNorm does in each training-mode forward: a collective
     def forward(self, x):
@@ -296,18 +300,21 @@ rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
 recipe = load_recipe("fast", {"bn_recalibration": 511, "batch_size": 128, "channels_last": False})
 net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), Collective())
-batches = recalibration_batches(random_train_set(600), recipe, rank, 2, "cpu")
+generator = torch.Generator().manual_seed(0)  # as random_train_set(600)
+images = torch.randint(0, 256, (600, 3, 32, 32), dtype=torch.uint8, generator=generator)
+train_set = DeviceBatches(images, torch.randint(0, 10, (600,), generator=generator), "cpu", augment=False)
+batches = recalibration_batches(train_set, recipe, rank, 2, "cpu")
 recalibrate_bn(net, batches, dict(device_type="cpu", enabled=False), lambda t: dist.all_reduce(t, dist.ReduceOp.AVG))
 print("rank", rank, "recalibrated on", len(batches), "batches", flush=True)
 dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow  # starts 2 processes through helpers imported inside the test (conftest cannot see them)
+@pytest.mark.slow
 def test_recalibration_with_a_collective_per_forward_does_not_hang():
     """2 ranks x 128 per batch, 511 images: the ranks once ran 2 and 1 batches, and a collective in each
     forward (sync_bn's; it needs CUDA, so a stand-in module does the same here) left one rank waiting."""
-    from conftest import finish, free_port, start
+    from helpers import finish, free_port, start
 
     port = free_port()
     ranks = [start([sys.executable, "-c", SYNC_BN_STAND_IN, rank, port]) for rank in (0, 1)]
@@ -350,6 +357,7 @@ def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
     torch.testing.assert_close(net[1].running_mean, torch.stack([f.mean(1) for f in features]).mean(0) + 100)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw_ddp.py", "accel_train.py"])
 def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tmp_path, trainer):
     """Every read of a tensor's value on the host and every tensor built from host data is counted in each process
@@ -388,6 +396,7 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
         assert [n for key, n in counts.items() if key.startswith("cifar_wrn/data.py") and "torch.tensor" in key] == [2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw_ddp.py", "accel_train.py"])
 def test_the_startup_warm_up_changes_nothing_that_is_trained(cifar_dir, tmp_path, trainer):
     """startup_steps (on in fast.yaml): 3 steps and a validation batch on random tensors before the clock, then
@@ -415,6 +424,7 @@ def test_the_startup_warm_up_changes_nothing_that_is_trained(cifar_dir, tmp_path
     assert cold_header["startup_seconds"] == 0 and warm_header["startup_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_run_warms_up_and_still_trains_as_the_straight_run(cifar_dir, tmp_path):
     """The warm-up runs after a resume too, over a loaded optimizer (momentum buffers), EMA and schedule: 2 epochs
     straight, and 1 epoch then a resume for the second, both with startup_steps 2, end in bit-identical weights."""

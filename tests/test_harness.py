@@ -1,13 +1,14 @@
-"""The tests' own process helpers (tests/conftest.py): a timeout ends every process a test started."""
+"""The tests' own process helpers (tests/helpers.py): a timeout ends every process a test started."""
 
 import os
 import time
 
 import psutil
 import pytest
-from conftest import finish, start, torchrun_command
+from helpers import finish, start, torchrun_command
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_the_ranks_torchrun_put_in_sessions_of_their_own():
     """torchrun's agent starts each worker in a session of its own: killing the launcher's process group left the
     worker running and holding the test's pipes, and finish() waited for it, a hang past the timeout. Here the

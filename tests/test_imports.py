@@ -5,7 +5,7 @@ imports inside functions included (a deferred import hides a circle, it does not
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 PACKAGE = REPO / "cifar_wrn"
 

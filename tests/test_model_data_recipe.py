@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import TRAIN_IMAGES, VAL_IMAGES, write_cifar
+from helpers import TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
 from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, load_split

@@ -2,11 +2,14 @@
 
 import re
 
-from conftest import check_profile
+import pytest
+from checks import check_profile
 
 from cifar_wrn.runlog import read_log
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("torchrun_profile_run")
 def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(torchrun_profile_run):
     """conftest's torchrun_profile_run: 2 processes (started by torchrun), 2 epochs, --profile and --trace."""
     result, out = torchrun_profile_run
@@ -16,6 +19,8 @@ def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(torchrun_profile
     assert all(p.stat().st_size > 1000 for p in (out / "trace").iterdir())
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_process_run")
 def test_no_profile_when_off(two_process_run):
     """conftest's shared run, without --profile."""
     result, out = two_process_run

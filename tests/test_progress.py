@@ -25,7 +25,7 @@ from subprocess import DEVNULL, PIPE
 
 import pytest
 import torch
-from conftest import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, data_flags, kill_all
+from helpers import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, data_flags, kill_all
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -36,7 +36,7 @@ from cifar_wrn.evaluation import evaluate
 from cifar_wrn.model import WideResNet
 from cifar_wrn.pipeline import DeviceBatches
 
-TIMEOUT = 240  # seconds per run; every process it started is killed after that (conftest.kill_all)
+TIMEOUT = 240  # seconds per run; every process it started is killed after that (helpers.kill_all)
 STEPS = 5  # 320 training images, 32 per process, 2 processes
 
 
@@ -300,6 +300,7 @@ def without_times(stdout: str) -> str:
     return re.sub(r"(Cumulative Time|Epoch Time|Images/sec) = [\d.]+", r"\1 = *", stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_bar_in_a_terminal_and_clean_files(trainer, cifar_dir, tmp_path):
     command, env = TRAINERS[trainer]
@@ -321,12 +322,14 @@ def test_bar_in_a_terminal_and_clean_files(trainer, cifar_dir, tmp_path):
     assert without_times(file_stdout) == without_times(stdout), (file_stdout, stdout)
 
 
+@pytest.mark.slow
 def test_raw_ddp_progress_off_in_a_terminal(cifar_dir):
     rc, stdout, terminal = run_in_terminal(raw_command(cifar_dir, "--progress", "off"), cpu_env())
     assert rc == 0, terminal[-3000:]
     assert "\r" not in terminal and "epoch 1" not in terminal and EPOCH_LINE.findall(stdout) == ["1"]
 
 
+@pytest.mark.slow
 def test_accel_train_progress_on_into_a_file(cifar_dir, tmp_path):
     """Asked for, the bar is drawn into a file too (rank 0's only); the epoch line stays on stdout."""
     rc, stdout, stderr = run_to_files(accel_command(cifar_dir, "--progress", "on"), accel_env(), tmp_path)
@@ -335,6 +338,7 @@ def test_accel_train_progress_on_into_a_file(cifar_dir, tmp_path):
     assert "\r" not in stdout and EPOCH_LINE.findall(stdout) == ["1"]
 
 
+@pytest.mark.slow
 def test_an_error_starts_on_its_own_line(cifar_dir):
     """A run stopped in the middle of an epoch (a learning rate that diverges: a non-finite loss at step 2, found
     at the agreement at step 2): the bar is erased before the error message, which does not run on after it."""

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from checks import check_slow_bf16_warning
+from helpers import (
     EPOCH_LINE,
     REPO,
     TINY,
     VAL_IMAGES,
     check_no_gloo_thread_at_exit,
-    check_slow_bf16_warning,
     cpu_env,
     data_flags,
     finish,
@@ -23,7 +23,7 @@ from conftest import (
     start,
     two_node_flags,
 )
-from conftest import (
+from helpers import (
     raw_ddp as run_raw,
 )
 
@@ -148,6 +148,7 @@ def test_port_in_use_is_refused():
 # ----------------------------------------------------------------------------- DDP semantics
 
 
+@pytest.mark.xdist_group("two_process_run")
 @pytest.mark.core
 def test_every_process_ends_the_groups_threads_before_its_exit(two_process_run):
     """No gloo thread still runs when a process exits: a group torn down with the process now and then aborted a
@@ -175,6 +176,7 @@ def test_replicas_identical_and_ddp_equals_single_process(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.xdist_group("two_process_run")
 @pytest.mark.core
 def test_end_to_end_two_processes(two_process_run):
     result, out = two_process_run
@@ -196,6 +198,7 @@ def test_end_to_end_two_processes(two_process_run):
     assert epochs[-1]["train_correct"] > epochs[0]["train_correct"]  # it learns
 
 
+@pytest.mark.xdist_group("two_process_run")
 @pytest.mark.core
 def test_images_per_sec_is_summed_over_ranks(two_process_run):
     _, out = two_process_run
@@ -207,6 +210,7 @@ def test_images_per_sec_is_summed_over_ranks(two_process_run):
         assert 0.7 * global_rate < e["images_per_sec"] < 1.3 * global_rate
 
 
+@pytest.mark.xdist_group("two_process_run")
 @pytest.mark.core
 def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     """Reported metrics at world size 2 (101 images: one padding repeat) equal one process evaluating
@@ -223,6 +227,7 @@ def test_saved_weights_and_exact_validation_metrics(two_process_run, cifar_dir):
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-5)
 
 
+@pytest.mark.xdist_group("two_process_run")
 @pytest.mark.core
 def test_early_stopping_after_patience_epochs_is_said_once(two_process_run):
     """--epochs 6 --target-accuracy 0 --patience 2: the run ends after epoch 2 (both ranks: it exits 0), and
@@ -233,6 +238,7 @@ def test_early_stopping_after_patience_epochs_is_said_once(two_process_run):
     assert result.stdout.count("Early stopping after epoch 2") == 1
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
     port = free_port()
     common = [
@@ -258,6 +264,8 @@ def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
     assert (header["world_size"], header["num_nodes"], header["num_gpus"]) == (2, 2, 1)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("torchrun_profile_run")
 def test_torchrun_launch(torchrun_profile_run):
     """conftest's torchrun_profile_run (2 epochs, bf16; its --profile is tests/test_profile.py's)."""
     result, out = torchrun_profile_run
@@ -271,12 +279,14 @@ def test_torchrun_launch(torchrun_profile_run):
 # ----------------------------------------------------------------------------- failures: clear, prompt, no hang
 
 
+@pytest.mark.slow
 def test_bad_flag_exits_with_message_not_traceback(cifar_dir):
     result = run_raw("--num-nodes", 1, "--node-id", 3, "--device", "cpu")
     assert result.returncode == 2
     assert "error: --node-id must be in [0, 0]" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     port = free_port()
     result = run_raw(
@@ -292,6 +302,7 @@ def test_peer_that_never_joins_times_out_with_address(cifar_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.xdist_group("rank_1_raises")
 @pytest.mark.core
 def test_worker_that_raises_is_named_with_traceback(rank_1_raises):
     """Rank 1 raises: the run ends soon after, not when rank 0 gives up waiting for it (--dist-timeout 300; the
@@ -304,6 +315,8 @@ def test_worker_that_raises_is_named_with_traceback(rank_1_raises):
     assert result.seconds < 200
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("rank_1_raises")
 def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
     """The same run (conftest's rank_1_raises), bounded tighter: rank 0, were it left waiting, would wait
     --dist-timeout, 300 s; the bound is start-up on a loaded machine, 42 s measured, plus the stop. Not core: in
@@ -312,6 +325,7 @@ def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
     assert rank_1_raises.seconds < 120
 
 
+@pytest.mark.slow
 def test_first_run_without_data_reads_cleanly(tmp_path):
     """The README's main command on a machine without the data, a network or CUDA, with nothing silenced
     (PYTHONWARNINGS unset): one plain line about CUDA, then one error line about the data, printed once for the
@@ -332,6 +346,7 @@ def test_first_run_without_data_reads_cleanly(tmp_path):
     assert "shared/" not in lines[1] and "prepare_cifar10" not in lines[1]
 
 
+@pytest.mark.slow
 def test_corrupt_file_is_named(tmp_path, cifar_dir):
     import shutil
 

@@ -8,7 +8,7 @@ import shlex
 import sys
 
 import pytest
-from conftest import REPO, cpu_env, finish, start, write_cifar
+from helpers import REPO, cpu_env, finish, start, write_cifar
 
 from cifar_wrn.runlog import run_log_path
 
@@ -79,6 +79,7 @@ def shell(command: str, folder, env, timeout=240):
     return finish(start(["bash", "-c", command], env=env, cwd=folder), timeout)
 
 
+@pytest.mark.slow
 def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folder):
     folder, env = student_folder
     logs = {}
@@ -108,6 +109,7 @@ def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folde
     assert str(logs["fast"].parent.relative_to(folder)) not in text
 
 
+@pytest.mark.slow
 def test_the_readmes_no_gpu_commands_run_as_written(student_folder):
     """Both trainers' "No GPU?" commands, literally (tiny data appended): each trains on 2 CPU processes."""
     folder, env = student_folder
@@ -121,6 +123,7 @@ def test_the_readmes_no_gpu_commands_run_as_written(student_folder):
         assert '"world_size": 2' in log.read_text() and '"backend": "gloo"' in log.read_text()
 
 
+@pytest.mark.slow
 def test_without_cuda_both_main_commands_train_on_the_cpu_after_the_same_warning(student_folder):
     """The README's 2-GPU command of each trainer, as written, on a machine without CUDA: both train on 2 CPU
     processes after one warning that says so and how long an epoch takes there (accel_train.py refused before)."""

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import EPOCH_LINE, cpu_env, finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
-from conftest import raw_ddp as run_raw
+from helpers import EPOCH_LINE, cpu_env, finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
+from helpers import raw_ddp as run_raw
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags, worker_processes
 
 from cifar_wrn.checkpoint import (
@@ -69,6 +69,7 @@ def checkpoint_bytes(width: int, momentum: bool = False) -> int:
     return len(buffer.getvalue())
 
 
+@pytest.mark.slow
 def test_atomic_write_keeps_the_old_checkpoint_on_a_full_disk(small_disk):
     state = {"epoch": 1, "model": WideResNet(width=8).state_dict()}
     disk = small_disk(checkpoint_bytes(8) * 3 // 2)  # room for one checkpoint, not for the next beside it
@@ -140,6 +141,7 @@ def agreement_steps(seconds_per_step: list[float], steps: int, steps_per_epoch: 
     return checked
 
 
+@pytest.mark.slow
 def test_the_ranks_agree_often_enough_to_stop_within_seconds():
     """Fast steps: every 10 (after the first two, which measure). Slow steps: often enough that a stop signal
     waits about 2 s at most (STOP_LATENCY), every step when a step takes longer; the slowest rank sets the pace
@@ -156,6 +158,7 @@ def test_the_ranks_agree_often_enough_to_stop_within_seconds():
 # same run over 2 epochs never stopped. Copied before a resume (or a refused one) could write into them.
 
 
+@pytest.mark.xdist_group("resume_runs")
 @pytest.mark.core
 def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
     """Stopped at the end of epoch 1, resumed for epoch 2: the weights and every epoch's metrics of the run
@@ -189,6 +192,8 @@ def test_resumed_run_equals_uninterrupted_run(cifar_dir, tmp_path, resume_runs):
     assert eb[-1]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in eb))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_refusals(cifar_dir, tmp_path, resume_runs):
     missing = run_raw(*flags(cifar_dir, "--epochs", 1, "--checkpoint-dir", tmp_path / "none", "--resume"))
     assert missing.returncode == 2 and "no checkpoint at" in missing.stderr and "Traceback" not in missing.stderr
@@ -206,6 +211,7 @@ def test_resume_refusals(cifar_dir, tmp_path, resume_runs):
     assert one_process.returncode == 2 and "written by 2 processes, this run has 1" in one_process.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_dir, small_disk, trainer):
     """A real ENOSPC (a tmpfs with room for one checkpoint of the width-32 model, not two): the second
@@ -260,6 +266,7 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
 # ----------------------------------------------------------------------------- preemption and faults
 
 
+@pytest.mark.slow
 def test_sigusr1_to_the_launcher_checkpoints_and_exits_75(cifar_dir, tmp_path):
     """SIGUSR1 to mp.spawn's launcher alone (Slurm's --signal=B:USR1): the launcher passes it on, the ranks write a
     checkpoint in the middle of epoch 2 and the run exits PREEMPTED_EXIT (75, on which the Slurm scripts requeue:
@@ -285,6 +292,7 @@ def rank_processes(launcher_pid, count=2, timeout=60):
     pytest.fail("ranks did not start")
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_run_promptly_and_is_named(cifar_dir, tmp_path):
     """Rank 1 killed mid-run: rank 0 and the launcher end within seconds and name it. First, in the same run
     (one launch for two claims), the rendezvous: one node and no port given, the launcher itself listens on the
@@ -336,6 +344,7 @@ def check_diverged(stderr: str, traceback: str = "Traceback") -> None:
     assert "lost contact" not in stderr and traceback not in stderr
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     result = run_raw(*flags(cifar_dir, "--epochs", 2, *DIVERGES), timeout=180)
     assert result.returncode == 1
@@ -343,6 +352,7 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     assert "Epoch = " not in result.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_through_the_ranks(cifar_dir, tmp_path):
     """torchrun's agent passes SIGTERM on to its workers; the ranks agree, checkpoint and stop."""
     long_epochs = ["--batch-size", 4, "--epochs", 3, "--checkpoint-dir", tmp_path / "ck"]
@@ -383,6 +393,7 @@ def preemptible(trainer, cifar_dir):
     return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *accel_flags, *extra), accel_env()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_a_stop_signal_checkpoints_and_the_run_resumes_exactly(cifar_dir, tmp_path, trainer):
     """A SIGTERM as Slurm sends it: to raw_ddp.py's launcher and every rank (scancel, the time limit), to accelerate

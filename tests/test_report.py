@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY, raw_ddp
+from helpers import REPO, TINY, raw_ddp
 
 from cifar_wrn.errors import UserError
 from cifar_wrn.report.changes import optimisations, recipe_changes
@@ -261,6 +261,7 @@ def scaling_cells(path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_the_gpu_and_cpu_logs_of_this_project_get_no_speedup(tmp_path):
     """h200-fast (1 H200 GPU, an older fast.yaml) and fast8 (2 CPU processes): no pair, and the report says why;
     fast8's row holds only what its own log gives (scaling_cells), no speedup columns."""
@@ -319,6 +320,7 @@ def test_profile_table(tmp_path):
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_figures_are_written(logs, tmp_path):
     pytest.importorskip("matplotlib")  # the `plot` extra; CI installs it with the test extra
     prof = [
@@ -348,6 +350,7 @@ def test_figures_are_written(logs, tmp_path):
     assert f"wrote {out / 'report.md'} and 6 figure(s)" in result.stdout
 
 
+@pytest.mark.slow
 def test_report_without_matplotlib(logs, tmp_path):
     """matplotlib made unimportable (None in sys.modules): the tables are still written, with a note."""
     out = tmp_path / "out"
@@ -426,6 +429,7 @@ def bad_inputs(tmp_path):
     return files
 
 
+@pytest.mark.slow
 def test_bad_files_give_one_clear_line_and_exit_2(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -456,6 +460,7 @@ def test_read_run_rejects_inconsistent_header(tmp_path):
 # ----------------------------------------------------------------------------- a real log
 
 
+@pytest.mark.slow
 def test_report_reads_what_raw_ddp_writes(cifar_dir, tmp_path):
     log = tmp_path / "real.jsonl"
     result = raw_ddp(
@@ -597,6 +602,7 @@ def test_two_different_runs_in_one_file_are_refused_naming_the_line(tmp_path, wh
     assert str(refused.value).endswith("; one run per file"), what
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_file_end_in_one_error_line(tmp_path):
     path = resumed_log(
         tmp_path / "two.jsonl", {0: None, 2: {"epoch": 3, "step": 0}}, {2: {"recipe_edits": {"base_lr": 0.1}}}
@@ -718,6 +724,7 @@ def test_the_committed_resumed_logs_are_each_one_run():
         assert times == sorted(times) and times[-1] > 7000, name
 
 
+@pytest.mark.slow
 def test_report_on_run_8_shows_all_four_epochs_and_the_criterion_at_7560(tmp_path):
     result = run_report(RUNS / "fast8.jsonl", "--out", tmp_path, "--no-figures")
     assert result.returncode == 0, result.stderr
@@ -773,6 +780,7 @@ def pdf_text(path) -> tuple[int, str, int]:
     return len(reader.pages), "\n".join(page.extract_text() for page in reader.pages), images
 
 
+@pytest.mark.slow
 def test_pdf_holds_what_the_course_asks_for_in_at_most_4_pages(tmp_path):
     pytest.importorskip("fpdf")  # the `pdf` extra; CI installs it with the test extra
     pytest.importorskip("matplotlib")
@@ -882,6 +890,7 @@ def test_the_sections_and_steps_carry_the_course_item_they_answer(logs):
     assert all(isinstance(row[-1], Slot) for table in optimisations_table for row in table.rows)
 
 
+@pytest.mark.slow
 def test_pdf_without_fpdf2_says_how_to_install_it(logs, tmp_path):
     code = (
         "import sys; sys.modules['fpdf'] = None; from cifar_wrn.report.cli import main; "
@@ -917,6 +926,7 @@ def test_bad_notes_are_refused(tmp_path, content, message):
     assert read_notes(None, runs) == {}
 
 
+@pytest.mark.slow
 def test_bad_notes_are_refused_before_any_output(tmp_path):
     notes = tmp_path / "notes.yaml"
     notes.write_text("bogus:\n  why: x\n")
@@ -1029,6 +1039,7 @@ def test_demonstrate_facts_from_the_header(tmp_path):
 EXAMPLE = REPO / "docs" / "report-example"
 
 
+@pytest.mark.slow
 def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     """docs/report-example/README.md's command, run into a fresh folder, writes the committed report.md."""
     pytest.importorskip("matplotlib")  # the committed report.md names its figures
@@ -1049,7 +1060,7 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
     )
 
 
-@pytest.mark.slow  # main starts a process inside the project's code (conftest cannot see it)
+@pytest.mark.slow  # report.main starts a process inside the project's code
 def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
     """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
     pytest.importorskip("fpdf")

@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from conftest import EPOCH_LINE, TINY, cpu_env, data_flags, finish, start
+from helpers import EPOCH_LINE, TINY, cpu_env, data_flags, finish, start
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 
 from cifar_wrn.model import WideResNet
@@ -155,6 +155,7 @@ def launcher(trainer, cifar_dir, ck):
     return lambda *extra: finish(start(*command(trainer, cifar_dir, ck, *extra)), 240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     """Target 0 makes every epoch pass: with patience 3 a 2-epoch budget ends one short (a deterministic near
@@ -177,6 +178,7 @@ def test_the_net_fires_and_logs(cifar_dir, tmp_path, trainer):
     assert epochs[2]["cumulative_time"] == pytest.approx(sum(e["epoch_time"] for e in epochs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_the_net_does_not_fire_when_the_criterion_is_out_of_reach(cifar_dir, tmp_path, trainer):
     """The same run with patience 4: 2 passing epochs + 1 extra cannot make 4 in a row, so the budget ends it."""

@@ -1,16 +1,13 @@
 """Seeds as a measurement (issue 25): bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
-bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three)."""
+bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three). Each runs as a user runs it,
+`python bench/NAME.py` (the tests import nothing from bench/)."""
 
 import json
-import math
+import re
 import sys
 
 import pytest
-from conftest import REPO, run
-
-sys.path.insert(0, str(REPO / "bench"))
-import seeds  # noqa: E402
-import seeds_summary  # noqa: E402
+from helpers import REPO, TESTS, cpu_env, pythonpath_with, run
 
 RECIPE = {"epochs": 4, "target_accuracy": 0.85, "patience": 2, "extra_epochs": 1, "base_lr": 0.4}
 
@@ -35,52 +32,69 @@ def write_log(path, seed, accuracies, recipe=None, resumed_at=None):
     return path
 
 
+def summary(*logs, flags=()) -> str:
+    """What `python bench/seeds_summary.py [flags] LOGS...` prints."""
+    result = run([sys.executable, "bench/seeds_summary.py", *flags, *logs])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the markdown table of `text` whose header row starts with `header`."""
+    lines = text.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith(header)) + 2 :]
+    rows = rows[: next((i for i, line in enumerate(rows) if not line.startswith("|")), len(rows))]
+    return [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+
+
+@pytest.mark.slow
 def test_per_epoch_statistics_and_criterion_counts(tmp_path):
     logs = [
         write_log(tmp_path / "s0.jsonl", 0, [0.75, 0.82, 0.852, 0.866]),  # met at epoch 4
         write_log(tmp_path / "s1.jsonl", 1, [0.74, 0.86, 0.851]),  # met at epoch 3
         write_log(tmp_path / "s2.jsonl", 2, [0.76, 0.80, 0.849, 0.866, 0.86], resumed_at=3),
     ]  # the net
-    runs, notes = seeds_summary.load_runs(logs)
-    assert notes == [] and [len(r["epochs"]) for r in runs] == [4, 3, 5]  # the resumed log is one run
-    rows = {row["epoch"]: row for row in seeds_summary.per_epoch(runs)}
-    assert rows[3]["mean"] == pytest.approx((0.852 + 0.851 + 0.849) / 3)
-    assert (rows[3]["min"], rows[3]["max"], rows[3]["n"]) == (0.849, 0.852, 3)
-    assert rows[3]["std"] == pytest.approx(0.0015275, rel=1e-4)  # sample standard deviation (n - 1)
-    assert [rows[k]["met"] for k in (1, 2, 3, 4, 5)] == [0, 0, 1, 2, 3]
-    assert rows[5]["n"] == 1 and math.isnan(rows[5]["std"])
-    text = seeds_summary.render(runs, notes)
-    assert "| 3 | 3 | 0.8507 | 0.8490 | 0.8520 | 0.0015 | 1/3 |" in text
+    text = summary(*logs)
+    assert "\n3 runs;" in text  # the resumed log is one run
+    rows = table_rows(text, "| epoch |")
+    assert [row[1] for row in rows] == ["3", "3", "3", "2", "1"]  # runs with each epoch
+    # mean, min, max, sample standard deviation (n - 1: 0.0015; n would give 0.0012), met by epoch 3
+    assert rows[2] == ["3", "3", "0.8507", "0.8490", "0.8520", "0.0015", "1/3"]
+    assert [row[6] for row in rows] == ["0/3", "0/3", "1/3", "2/3", "3/3"]
+    assert rows[4][5] == "–"  # one run: no standard deviation
     assert "| s2 | 2 | 0.7600 / 0.8000 / 0.8490 / 0.8660 / 0.8600 | epoch 5 (safety net) | 50.00 |" in text
     assert "| s1 | 1 | 0.7400 / 0.8600 / 0.8510 | epoch 3 | 30.00 |" in text
     assert "note:" not in text
 
 
+@pytest.mark.slow
 def test_other_recipes_and_unreadable_logs_are_named(tmp_path):
     write_log(tmp_path / "a.jsonl", 0, [0.8, 0.86, 0.87])
     write_log(tmp_path / "b.jsonl", 1, [0.8, 0.86, 0.87], recipe={"base_lr": 0.2})
     (tmp_path / "cut.jsonl").write_text('{"kind": "header", "recipe": {}}\n{"kind": "epo')  # killed mid-write
     (tmp_path / "empty.jsonl").write_text(json.dumps({"kind": "header", "recipe": RECIPE}) + "\n")
-    runs, notes = seeds_summary.load_runs(seeds_summary.log_paths([tmp_path]))
-    assert [r["name"] for r in runs] == ["a", "b"]
-    assert [n.split(":")[0] for n in notes] == [str(tmp_path / "cut.jsonl"), str(tmp_path / "empty.jsonl")]
+    text = summary(tmp_path)
+    assert [row[0] for row in table_rows(text, "| run |")] == ["a", "b"]
+    notes = [line.removeprefix("note: ") for line in text.splitlines() if line.startswith("note: ")]
+    assert [n.split(":")[0] for n in notes[:2]] == [str(tmp_path / "cut.jsonl"), str(tmp_path / "empty.jsonl")]
     assert "no epoch finished" in notes[1]
-    assert "note: the runs differ in base_lr, not only in seed" in seeds_summary.render(runs, notes)
+    assert notes[2].startswith("the runs differ in base_lr, not only in seed")
 
 
+@pytest.mark.slow
 def test_group_summarises_each_recipe_apart(tmp_path):
     logs = [write_log(tmp_path / f"fast{k}.jsonl", k, [0.8, 0.85, 0.86]) for k in range(3)]
     logs += [write_log(tmp_path / f"muon{k}.jsonl", k, [0.8, 0.84, 0.86], recipe={"base_lr": 0.2}) for k in range(2)]
-    groups = seeds_summary.by_recipe(seeds_summary.load_runs(logs)[0])
-    assert [(name, len(runs)) for name, runs in groups] == [
-        ("the reference recipe (the largest group)", 3),
-        ("base_lr=0.2", 2),
+    text = summary(*logs, flags=["--group"])
+    assert re.findall(r"^### (.*)\n\n(\d+) runs;", text, re.M) == [
+        ("the reference recipe (the largest group)", "3"),
+        ("base_lr=0.2", "2"),
     ]
-    text = run([sys.executable, "bench/seeds_summary.py", "--group", tmp_path]).stdout
     assert "### base_lr=0.2\n" in text and "| 2 | 2 | 0.8400 |" in text and "| 2 | 3 | 0.8500 |" in text
     assert "not only in seed" not in text
 
 
+@pytest.mark.slow
 def test_summary_command_line(tmp_path):
     write_log(tmp_path / "s0.jsonl", 0, [0.8, 0.86, 0.87])
     ok = run([sys.executable, "bench/seeds_summary.py", tmp_path])
@@ -89,18 +103,18 @@ def test_summary_command_line(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
+@pytest.mark.slow
 def test_seed_plans():
-    assert seeds.lever_lines(3, first=0, sets=[]) == ["seed=0", "seed=1", "seed=2"]
-    assert seeds.lever_lines(2, first=5, sets=["ema_decay=0.98", "bn_lr_scale=8"]) == [
+    """The GPU session's lever lines (--emit); the CPU runs' commands: test_cpu_seeds_run_one_after_another..."""
+    emit = [sys.executable, "bench/seeds.py", "--emit", "--seeds"]
+    assert run([*emit, 3]).stdout.splitlines() == ["seed=0", "seed=1", "seed=2"]
+    assert run([*emit, 2, "--first", 5, "--set", "ema_decay=0.98", "--set", "bn_lr_scale=8"]).stdout.splitlines() == [
         "ema_decay=0.98 bn_lr_scale=8 seed=5",
         "ema_decay=0.98 bn_lr_scale=8 seed=6",
     ]
-    commands = seeds.cpu_commands("fast", 2, first=1, sets=["batch_size=64"], out="o", extra=["--data-dir", "d"])
-    assert [c[-1] for c in commands] == ["o/seed-1.jsonl", "o/seed-2.jsonl"]
-    assert commands[0][:2] == [sys.executable, "raw_ddp.py"] and ["--set", "seed=1"] == commands[0][-4:-2]
-    assert "--num-gpus" in commands[0] and "--auto-resume" in commands[0]
 
 
+@pytest.mark.slow
 def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path):
     result = run(
         [
@@ -134,36 +148,21 @@ def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path)
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    commands = [line.removeprefix("$ ").split() for line in result.stdout.splitlines() if line.startswith("$ ")]
+    assert [c[-1] for c in commands] == [f"{tmp_path.resolve()}/seed-{seed}.jsonl" for seed in (3, 4)]
+    assert commands[0][:2] == [sys.executable, "raw_ddp.py"] and ["--set", "seed=3"] == commands[0][-4:-2]
+    assert "--num-gpus" in commands[0] and "--auto-resume" in commands[0]
     assert "2 runs;" in result.stdout and "| seed-3 | 3 |" in result.stdout and "| seed-4 | 4 |" in result.stdout
     assert "not only in seed" not in result.stdout  # the two runs differ only in seed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-seed-3", "ckpt-seed-4", "seed-3.jsonl", "seed-4.jsonl"]
 
 
-def test_sync_counter_attributes_each_warning_to_its_phase_and_line():
-    import warnings
-
-    import sync_count
-
-    def two_syncs():
-        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # as set_sync_debug_mode("warn")
-        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
-        warnings.warn("something else", stacklevel=1)
-        return 7
-
-    sync = sync_count.SyncCounter()
-    assert sync("ema", two_syncs) == 7 and sync("optimizer", lambda: None) is None
-    assert sync.counts == {"ema": 2}
-    assert all(source.startswith("tests/test_seeds.py:") for source in sync.sources["ema"])
-    assert sum(sync.sources["ema"].values()) == 2
-    assert "| ema | 0.5 | tests/test_seeds.py:" in sync_count.report(sync, 4, "cuda")
-
-
+@pytest.mark.slow
 def test_sync_count_runs_the_fast_step_on_the_cpu():
     """A smoke test for the GPU session: the script runs the whole step (DDP, EMA, StepGuard) and prints its table,
-    a row per phase. (The counts themselves are CUDA's: on the CPU nothing is counted, so they are not checked here;
-    test_sync_counter_attributes_each_warning_to_its_phase_and_line, above, checks the counting.)"""
-    import sync_count
-
+    a row per phase. CUDA's sync debug mode warns of nothing on the CPU: tests/sync_warnings/ makes each EMA update
+    warn twice as it would (and once of something else), so the count per step and the source line are checked."""
+    env = cpu_env()
     result = run(
         [
             sys.executable,
@@ -180,13 +179,15 @@ def test_sync_count_runs_the_fast_step_on_the_cpu():
             "batch_size=8",
         ],
         timeout=240,
+        env={**env, "PYTHONPATH": pythonpath_with(TESTS / "sync_warnings", env=env)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    title = "# host synchronisations over 2 steps (cpu; torch "
-    assert title in result.stdout, result.stdout
-    table = result.stdout[result.stdout.index(title) :]
-    phases = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
-    assert phases == [*sync_count.PHASES, "all"], table
+    assert "# host synchronisations over 2 steps (cpu; torch " in result.stdout, result.stdout
+    rows = {row[0]: row[1:] for row in table_rows(result.stdout, "| phase |")}
+    assert list(rows) == ["data", "forward", "backward", "clip", "optimizer", "scheduler", "ema", "guard", "all"]
+    assert rows["ema"][0] == "2" and re.fullmatch(r"tests/sync_warnings/sitecustomize\.py:\d+ x4", rows["ema"][1])
+    assert all(counts[0] == "0" for phase, counts in rows.items() if phase not in ("ema", "all")), rows
+    assert rows["all"][0] == "2", rows
     bad = run([sys.executable, "bench/sync_count.py", "--device", "cpu", "--set", "data_pipeline=dataloader"])
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
@@ -203,6 +204,7 @@ def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe(levers):
         load_recipe("fast", {**parse_set(words), "batch_size": "256"})  # raises RecipeError on a bad line
 
 
+@pytest.mark.slow
 def test_the_startup_bench_times_both_variants(cifar_dir):
     """bench/startup.py (a GPU session step): the fast recipe for 2 epochs with startup_steps 0 and 3, a row each
     with the warm-up's seconds from the log header (0 without it) and both epochs' times."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import EPOCH_LINE, raise_in_rank_env, run
+from helpers import EPOCH_LINE, raise_in_rank_env, run
 from slurm_cluster import FINISHED, NODES, SlurmCluster, Unavailable, first_job_id, private_hosts, processes_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,12 +88,14 @@ def test_scripts_are_there():
 # ============================================================================ static checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
 def test_bash_syntax(path):
     result = run(["bash", "-n", path], timeout=30)
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
 def test_shellcheck(path):
     if shutil.which("shellcheck") is None:
@@ -179,6 +181,7 @@ def test_docs_mention_every_script():
         assert f"slurm/{path.name}" in docs, path.name
 
 
+@pytest.mark.slow
 def test_missing_data_says_how_to_prepare_it(tmp_path):
     cmd = 'source slurm/common.sh && stage_data && echo "DATA_DIR=$DATA_DIR"'
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and not k.startswith("SLURM")}
@@ -412,6 +415,7 @@ def write_script(tmp_path: Path, body: str, name="probe.sbatch") -> Path:
 # ============================================================================ the cluster
 
 
+@pytest.mark.slow
 def test_sbatch_accepts_the_headers(cluster):
     """The real sbatch parses every script's #SBATCH block, and the request (partition, nodes, GPUs,
     cores) fits two Falcon-shaped nodes: `sbatch --test-only` schedules it without running it."""
@@ -423,6 +427,7 @@ def test_sbatch_accepts_the_headers(cluster):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "line, message",
     [
@@ -456,6 +461,7 @@ gpus $CUDA_VISIBLE_DEVICES tmp $TMPDIR holds $(cat "$TMPDIR"/mine) cores $(tasks
 """
 
 
+@pytest.mark.slow
 def test_what_a_job_sees(cluster, tmp_path):
     """Two nodes, each with its host name, its GPUs (placeholders), its own cores and its own $TMPDIR
     (same path, different disk, gone after the job); the command line overrides #SBATCH --nodes=3."""
@@ -482,6 +488,7 @@ def test_what_a_job_sees(cluster, tmp_path):
     assert not job.leftovers
 
 
+@pytest.mark.slow
 def test_srun_kill_on_bad_exit(cluster, tmp_path):
     """Node 2 fails at once: --kill-on-bad-exit=1 ends node 1 (which would sleep 120 s) and srun fails."""
     script = write_script(
@@ -501,6 +508,7 @@ echo "srun status $?"
     assert job.seconds < 90 and not job.leftovers, job.describe()
 
 
+@pytest.mark.slow
 def test_srun_without_kill_waits_for_all(cluster, tmp_path):
     script = write_script(
         tmp_path,
@@ -514,6 +522,7 @@ echo "srun status $?"
     assert "node 0 done" in job.output and "srun status 3" in job.output, job.describe()
 
 
+@pytest.mark.slow
 def test_srun_passes_sigusr1_on_and_ends_the_step_on_sigterm(cluster, tmp_path):
     """What slurm/common.sh relies on: SIGUSR1 to srun reaches every task (each traps it and ends);
     SIGTERM to srun ends the step ("forcing job termination"), with no time for a checkpoint."""
@@ -588,6 +597,7 @@ def check_run(job: Job, world_size: int, num_nodes: int, launcher: str) -> dict:
     return header
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, options, world_size, num_nodes, launcher",
     [
@@ -614,6 +624,7 @@ def test_job_script_trains_on_cpu(cluster, tmp_path, cifar_dir, name, options, w
         assert re.search(r"node 0 \(node[12]\): copied \S+ to \S+/cifar10", log), log
 
 
+@pytest.mark.slow
 def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
     """Rank 1 (node 2) fails after start-up: the job must fail soon, leaving nothing behind. Soon: srun's
     --kill-on-bad-exit ends node 1 at once, long before rank 0 would give up waiting for rank 1 (--dist-timeout
@@ -633,6 +644,7 @@ def test_multinode_failure_ends_the_job(cluster, tmp_path, cifar_dir):
     assert not job.leftovers
 
 
+@pytest.mark.slow
 def test_submitting_from_elsewhere_says_how(cluster, tmp_path):
     job = sbatch(cluster, tmp_path, SLURM / "raw_2gpu.sbatch", cwd=tmp_path, timeout=60)
     assert job.state == "FAILED" and job.exit_status == 2, job.describe()
@@ -687,6 +699,7 @@ time.sleep(100)
 """
 
 
+@pytest.mark.slow
 def test_sigusr1_requeues_and_the_requeued_run_continues(cluster, tmp_path):
     """SIGUSR1 to the batch shell: it passes it to the training, which exits 75; the script runs
     `scontrol requeue` and exits 0; Slurm runs the job again with SLURM_RESTART_COUNT=1, appending
@@ -711,6 +724,7 @@ def test_sigusr1_requeues_and_the_requeued_run_continues(cluster, tmp_path):
     assert not job.leftovers
 
 
+@pytest.mark.slow
 def test_scancel_is_passed_on_but_not_requeued(cluster, tmp_path):
     """scancel: SIGTERM to the batch shell (and to the training itself); the shell passes a stop on,
     the training exits 75, but the job is not requeued (that would undo the scancel): it ends
@@ -729,6 +743,7 @@ def test_scancel_is_passed_on_but_not_requeued(cluster, tmp_path):
     assert "run 1" not in out and not job.leftovers, job.describe()
 
 
+@pytest.mark.slow
 def test_requeue_refused_keeps_status_75_and_says_how_to_continue(cluster, tmp_path):
     """Submitted with --no-requeue (it overrides the script's --requeue): scontrol refuses, the job
     ends with status 75 and says how to continue from the checkpoint in a new job."""
@@ -790,6 +805,7 @@ def check_requeued_and_resumed(job: Job, steps_per_epoch: int) -> re.Match:
     return stopped
 
 
+@pytest.mark.slow
 def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir):
     """raw_multinode.sbatch on 2 nodes: SIGUSR1 to the batch shell after the first epoch. The shell
     passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint, the
@@ -804,6 +820,7 @@ def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_p
     assert (job.run_dir / "checkpoints" / "checkpoint.pt").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, options",
     [
@@ -831,6 +848,7 @@ def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_
     assert (checkpoints / "LATEST").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, options, checkpoint",
     [
@@ -893,6 +911,7 @@ time.sleep(100)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["preempt", "scancel"])
 def test_accel_stop_goes_through_the_stop_file(cluster, tmp_path, how):
     """accel_*-style script on 2 nodes. Preemption (SIGUSR1 to the batch shell): never passed on as a

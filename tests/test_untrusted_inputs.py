@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     TINY,
     cpu_env,
     data_flags,
@@ -132,6 +132,7 @@ def test_malformed_labels_are_a_data_error_naming_the_file(tmp_path, case):
         load_split(tmp_path, train=True, subset=8)
 
 
+@pytest.mark.slow
 def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
     shutil.copytree(cifar_dir, tmp_path / "d")
     path = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_5"
@@ -145,6 +146,7 @@ def test_training_refuses_a_crafted_batch_file(cifar_dir, tmp_path):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_raw_resume_refuses_a_crafted_checkpoint(cifar_dir, tmp_path):
     path = tmp_path / "ck" / "checkpoint.pt"
     path.parent.mkdir()
@@ -208,6 +210,8 @@ def as_legacy(directory):
     return folder
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
 @pytest.mark.parametrize("layout", ["current", "legacy"])
 def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel_checkpoint, tmp_path, layout):
     ck, flags, straight = accel_checkpoint
@@ -221,6 +225,8 @@ def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel
     assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA weights, bitwise
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
 @pytest.mark.parametrize(
     "crafted", ["legacy custom_checkpoint_0.pkl", TRAINING_STATE, "optimizer.bin", "random_states_0.pkl"]
 )
@@ -310,6 +316,7 @@ def test_temporary_files_never_follow_a_link(tmp_path):
     assert torch.load(ck / "checkpoint.pt") == {"epoch": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["..", "absolute", "symlinked folder"])
 def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_path, how):
     """From outside: a run that would save (and then remove "the previous checkpoint") or resume. `..` once
@@ -344,6 +351,8 @@ def test_accel_run_never_touches_what_latest_names_outside_dir(cifar_dir, tmp_pa
 # ----------------------------------------------------------------------------- a part one rank cannot load
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_runs")
 def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir, tmp_path, resume_runs):
     """Any real 2-process checkpoint will do: a copy of conftest's resume_runs (raw_ddp.py after epoch 1), resumed
     with the flags it was written with (resume_flags), so that only rank 1's missing part can stop the run."""
@@ -455,6 +464,7 @@ def test_bad_inputs_are_refused_when_the_flags_are_read(tmp_path, monkeypatch, e
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["raw_ddp.py", "accel_train.py"])
 def test_bad_input_is_one_error_line_and_status_2(tmp_path, entry):
     flags, message = bad_input(tmp_path, "binary recipe")

@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import REPO
+from helpers import REPO
 
 from cifar_wrn.recipe import FIELDS
 from cifar_wrn.report.ddp_source import ddp_steps

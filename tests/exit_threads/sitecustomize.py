@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by the tests (conftest.exit_threads_env): every Python process started with it writes the
+"""Put on PYTHONPATH by the tests (helpers.exit_threads_env): every Python process started with it writes the
 names of its threads still running at exit to $EXIT_THREADS_DIR/<pid>, one a line. A process group whose gloo
 threads are still running then is torn down with the process, which now and then aborts it (SIGABRT) after its
 last line. Nothing in the trainers knows of it."""

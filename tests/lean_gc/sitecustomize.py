@@ -1,4 +1,4 @@
-"""Imported by every Python process the tests start (tests/conftest.py's cpu_env puts this folder on PYTHONPATH):
+"""Imported by every Python process the tests start (tests/helpers.py's cpu_env puts this folder on PYTHONPATH):
 less garbage collection, which costs a test run of raw_ddp.py about a quarter of its CPU time.
 
 A test run trains for about a second; the rest is three processes (the launcher and two ranks) importing torch

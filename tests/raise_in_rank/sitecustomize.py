@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by the tests (conftest.raise_in_rank_env): in every Python process started with it, rank
+"""Put on PYTHONPATH by the tests (helpers.raise_in_rank_env): in every Python process started with it, rank
 $RAISE_IN_RANK raises in its first loss computation, a rank that crashes (a bug, a driver error) while the others
 wait for it in a collective. Nothing in the trainers knows of it."""
 
