@@ -52,7 +52,7 @@ from helpers import (
 from torch.utils.data import DataLoader
 
 import accel_train
-from cifar_wrn.checkpoint import read_training_state
+from cifar_wrn.checkpoint import latest_checkpoint, read_training_state
 from cifar_wrn.cli import CPU_FALLBACK_WARNING
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
@@ -334,7 +334,7 @@ def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     header, epochs = read_log(out / "log.jsonl")
     assert header["world_size"] == 2 and header["mixed_precision"] == "bf16"
     assert header["recipe"]["precision"] == "bf16"
-    assert "note: mixed_precision bf16 from the accelerate launch overrides" in result.stdout
+    assert "note: the launch's mixed_precision bf16 overrides the recipe's precision" in result.stdout
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
 
 
@@ -651,7 +651,7 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert result.returncode != 0
     assert re.search(r"stopped by a signal at epoch [23], step \d+: checkpoint written", result.stderr), result.stderr
     assert "exitcode  : 75" in result.stderr  # torchrun's report of the ranks' status
-    state = read_training_state(accel_train.latest_checkpoint(ck))
+    state = read_training_state(latest_checkpoint(ck))
     assert 0 < state["step"] <= 40 and not state["finished"]
 
 

@@ -34,6 +34,7 @@ import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
 from cifar_wrn.checkpoint import (
+    latest_checkpoint,
     load_checkpoint,
     read_training_state,
     resume_disagreement,
@@ -451,7 +452,7 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
         command = lambda *extra: accelerate_command(
             CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, *one_step, *extra)
         )
-        env, state = accel_env(), lambda: read_training_state(accel_train.latest_checkpoint(ck))
+        env, state = accel_env(), lambda: read_training_state(latest_checkpoint(ck))
     proc = start(command("--epochs", 50, "--log-json", tmp_path / "stopped.jsonl"), env=env)
     from helpers import wait_for_epoch
 
