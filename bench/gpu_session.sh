@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #25 in one call of under 9 minutes on one GPU (an H200), for a session that is lent
-# a GPU for 15 minutes in all (start-up and transfers included). Each step has its own time limit and the
+# The GPU checks of issues #25 and #44 in one call of under 9 minutes on one GPU (an H100 or H200), for a session that
+# is lent a GPU for 15 minutes in all (start-up and transfers included). Each step has its own time limit and the
 # whole script a deadline, so a slow step costs its own numbers, never the others'. In order of priority:
 #   1. fast_alone: recipes/fast.yaml to the criterion alone on the GPU (bench/time_to_target.py): seed 0 of the
 #      ten seeds, and the only epoch times of this session that are a measurement (the time-to-target row);
@@ -25,8 +25,8 @@
 #   folder (default data), which must hold cifar-10-batches-py/ (README, "Getting the data"): carry it along
 #
 # Everything printed goes to $OUT/session.log (default runs/gpu_session/). The JSON logs come back as
-# $OUT/logs.tar.gz, refreshed after every step, its paths already under docs/runs/h200-issue25-DATE/: unpack it
-# in the repository root (tar xzf logs.tar.gz), then copy the tables into docs/benchmarks.md.
+# $OUT/logs.tar.gz, refreshed after every step, its paths already under docs/runs/gpu-session-DATE/: unpack it in
+# the repository root (tar xzf logs.tar.gz), then copy the tables into docs/benchmarks.md.
 # DEADLINE (seconds, default 540) may be set in the environment.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -36,7 +36,7 @@ DEADLINE=${DEADLINE:-540}
 COMMIT=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 STAGE=$(mktemp -d)   # outside $OUT: the device returns 8 files at most, so the logs come back as one tarball
-RUN=docs/runs/h200-issue25-$(date -u +%F)
+RUN=docs/runs/gpu-session-$(date -u +%F)
 mkdir -p "$STAGE/$RUN/sweep"
 exec > >(tee "$OUT/session.log") 2>&1
 export PYTHONUNBUFFERED=1
