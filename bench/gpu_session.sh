@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues #25 and #44 in one call of under 9 minutes on one GPU (an H100 or H200), for a session that
+# The project's GPU checks in one call of under 9 minutes on one GPU (an H100 or H200), for a session that
 # is lent a GPU for 15 minutes in all (start-up and transfers included). Each step has its own time limit and the
 # whole script a deadline, so a slow step costs its own numbers, never the others'. In order of priority:
 #   1. fast_alone: recipes/fast.yaml to the criterion alone on the GPU (bench/time_to_target.py): seed 0 of the
@@ -7,18 +7,18 @@
 #   2. sync_count: host synchronisations per training step of fast.yaml, by phase and source line
 #      (bench/sync_count.py, torch.cuda.set_sync_debug_mode("warn")); the EMA's row should read 0 since
 #      cifar_wrn/ema.py keeps its counter on the host, and the data row too since the epoch's indices go to the
-#      GPU in one copy (issue #44);
-#   2b. startup: epoch 1 against epoch 2 with and without fast.yaml's start-up warm-up (bench/startup.py, issue #44);
+#      GPU in one copy;
+#   2b. startup: epoch 1 against epoch 2 with and without fast.yaml's start-up warm-up (bench/startup.py);
 #   3. sweep: one bench/gpu_sweep.sh call, four runs at a time (accuracy only; sharing the GPU changes no
-#      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then issue 44's epoch-3
-#      candidates at seeds 0-1 (bench/levers-44.txt), seed by seed; lines past the deadline are not started;
+#      number but the times): fast.yaml at seeds 1-9 (bench/seeds.py --emit), then the epoch-3
+#      candidates at seeds 0-1 (bench/levers-epoch3.txt), seed by seed; lines past the deadline are not started;
 #   4. seeds_summary: bench/seeds_summary.py --group over every log: fast.yaml's ten seeds (the largest group,
 #      the reference) per epoch with mean / min / max / std and the criterion count, then each lever apart.
 # Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
 # 46-59 s with start-up; docs/runs/h200-sweep-2026-12-01/session-*.log: four at a time, 27 runs in 522 s, a run
 # every ~19 s): data ~15 s, fast_alone ~60 s, sync_count ~30 s, startup ~70 s
-# (two 2-epoch runs with start-up), then the sweep gets ~340 s: 9 seeds and the
-# first 9 lever lines, issue 44's (18 runs, ~340 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
+# (two 2-epoch runs with start-up), then the sweep gets ~340 s: 9 seeds and the first 9 lines of the epoch-3
+# candidates (18 runs, ~340 s; a run the safety net extends by an epoch adds ~3 s of GPU time).
 #
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_session.sh 1a2b3c4 DATA   # there (device run, timeout_s 600), with that commit and the data
@@ -74,7 +74,7 @@ step startup 100 bash -c "set -o pipefail; python3 bench/startup.py --data-dir '
 
 levers="$STAGE/levers.txt"
 python3 bench/seeds.py --seeds 9 --first 1 --emit > "$levers"
-cat bench/levers-44.txt >> "$levers"   # issue 44's epoch-3 candidates
+cat bench/levers-epoch3.txt >> "$levers"   # the epoch-3 candidates
 sweep_deadline=$((DEADLINE - SECONDS - 30))   # room for the summary and the last tarball
 step sweep $((sweep_deadline + 20)) env OUT="$OUT/sweep" DEADLINE="$sweep_deadline" \
     bash bench/gpu_sweep.sh "$COMMIT" "$levers" "$DATA"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Whole 4-epoch runs of the fast recipe with one override set each, several at once on one GPU, for a
-# session that is lent a GPU for a few minutes (issue #12: which lever lifts epoch 3?).
+# session that is lent a GPU for a few minutes (which lever lifts epoch 3?).
 #
 #   bash bench/gpu_sweep.sh "$(git rev-parse --short HEAD)" bench/levers.txt DATA   # DATA: the data folder
 #

@@ -36,22 +36,22 @@ def main() -> None:
     parser.add_argument("new", nargs="?", default="HEAD", help="the commit to compare (default HEAD)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    times = {args.old: [], args.new: []}
+    commits = {"old": args.old, "new": args.new}
+    times = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="quick-tier-") as tmp:
-        trees = {}
-        for name, commit in (("old", args.old), ("new", args.new)):
-            trees[commit] = Path(tmp) / name
-            subprocess.run(["git", "worktree", "add", "-q", "--detach", trees[commit], commit], cwd=REPO, check=True)
+        trees = {side: Path(tmp) / side for side in commits}
+        for side, commit in commits.items():
+            subprocess.run(["git", "worktree", "add", "-q", "--detach", trees[side], commit], cwd=REPO, check=True)
         try:
             for round_ in range(1, args.rounds + 1):
-                for commit in (args.old, args.new):
-                    seconds, summary = one_tier(trees[commit])
-                    times[commit].append(seconds)
+                for side, commit in commits.items():
+                    seconds, summary = one_tier(trees[side])
+                    times[side].append(seconds)
                     print(f"round {round_}  {commit:>10}  {seconds:7.1f} s  {summary}", flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO)
-    old, new = statistics.median(times[args.old]), statistics.median(times[args.new])
+    old, new = statistics.median(times["old"]), statistics.median(times["new"])
     print(f"median {args.old}: {old:.1f} s, {args.new}: {new:.1f} s, ratio new/old {new / old:.2f}")
 
 

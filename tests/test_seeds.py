@@ -192,7 +192,7 @@ def test_sync_count_runs_the_fast_step_on_the_cpu():
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("levers", ["levers-44.txt"])
+@pytest.mark.parametrize("levers", ["levers-epoch3.txt"])
 def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe(levers):
     """bench/levers-*.txt feed bench/gpu_sweep.sh on a GPU lent for minutes: a bad key would cost a run there."""
     from cifar_wrn.recipe import load_recipe, parse_set
