@@ -5,7 +5,7 @@ import os
 import socket
 import sys
 
-from .checkpoint import check_writable
+from .safe_files import check_writable
 from .errors import UserError
 from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set
@@ -191,3 +191,66 @@ def check_launch(args, cuda_device_count: int) -> None:
         raise UserError(
             f"--master-port {args.master_port} is already in use on this machine (another run?); pick another port"
         )
+
+
+def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
+    """raw_ddp.py: fill in what the launch implies (the device; under torchrun its ranks), check the flags (R1.1),
+    read the recipe; before any process starts."""
+    import torch
+
+    from .recipe import slow_bf16_warning
+
+    recipe = recipe_from_args(args)
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    node_main = os.environ.get("LOCAL_RANK", "0") == "0"
+    if args.device == "auto":
+        if cuda_count == 0 and node_main:
+            print(CPU_FALLBACK_WARNING, file=sys.stderr)
+        args.device = "cuda" if cuda_count else "cpu"
+    args.master_port = args.master_port or port_from_env()
+    args.torchrun_local_rank, args.launcher_store = None, False
+    if launched_by_torchrun():
+        args.torchrun_local_rank = int(os.environ["LOCAL_RANK"])
+        args.num_gpus = int(os.environ["LOCAL_WORLD_SIZE"])
+        args.num_nodes = int(os.environ["WORLD_SIZE"]) // args.num_gpus
+        args.node_id = int(os.environ["RANK"]) // args.num_gpus
+        args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
+    elif args.num_nodes == 1:
+        args.master_addr = args.master_addr or "127.0.0.1"
+    check_launch(args, cuda_count)
+    if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:
+        print(warning, file=sys.stderr)
+    if recipe.sync_bn and args.device == "cpu":
+        raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
+    return args, recipe
+
+
+def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
+    """accel_train.py: the device asked for, the launch's mixed precision against the recipe's, the flags and the
+    recipe checked; before the process group forms."""
+    import dataclasses
+
+    import torch
+    from accelerate.utils import parse_flag_from_env
+
+    recipe = recipe_from_args(args)
+    # auto without CUDA: the CPU, after a warning
+    args.cpu_fallback = args.device == "auto" and not args.cpu and not torch.cuda.is_available()
+    args.cpu |= args.device == "cpu" or args.cpu_fallback
+    # 'no' is also the launcher's default: only bf16 overrides the recipe
+    launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    args.precision_note = None
+    if launch_precision not in ("no", "bf16"):
+        raise UserError(
+            f"the launch asks for mixed precision {launch_precision!r}; this trainer supports bf16 or "
+            f"'no' (the recipe's precision decides): fix mixed_precision in the accelerate config"
+        )
+    if launch_precision == "bf16" and recipe.precision != "bf16":
+        args.precision_note = f"the launch's mixed_precision bf16 overrides the recipe's precision {recipe.precision}"
+        recipe = dataclasses.replace(recipe, precision="bf16")
+    check_training_flags(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError(NO_CUDA)
+    if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()):
+        raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
+    return args, recipe

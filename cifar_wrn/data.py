@@ -7,11 +7,10 @@ import functools
 import itertools
 import os
 import pickle
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from .errors import UserError
 
@@ -58,8 +57,11 @@ def how_to_provide(data_dir) -> str:
 
 
 def download_cifar10(data_dir) -> str | None:
-    """Download and extract the archive (one process per node); None, or why it failed."""
+    """Download and extract the archive unless the data is there (one process per node); None, or why it failed."""
     from torchvision.datasets.utils import download_and_extract_archive
+
+    if dataset_present(data_dir):
+        return None
 
     url = os.environ.get("CIFAR10_URL", OFFICIAL_URL)
     try:
@@ -144,7 +146,7 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _labels(path: Path, labels) -> torch.Tensor:
-    """'labels' as int64 [N], else a DataError (which load_splits shares; a TypeError it could not)."""
+    """'labels' as int64 [N], else a DataError (which every rank shares; a TypeError it could not)."""
     try:
         values = torch.as_tensor(list(labels))
     except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -188,55 +190,24 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     return images, labels
 
 
-def load_splits(data_dir, train_subset: int | None, val_subset: int | None):
-    """(train, val, None) or (None, None, why): every rank's answer is shared, so one failing node stops all."""
-    try:
-        return load_split(data_dir, True, train_subset), load_split(data_dir, False, val_subset), None
-    except DataError as exc:
-        return None, None, str(exc)
-
-
-def loader_options(recipe, device, rank: int) -> dict:
-    """DataLoader options. Its own generator: a mid-epoch resume's extra iterator must not draw from the
-    global stream dropout uses."""
-    per_image_on_gpu = device.type == "cuda" and recipe.data_pipeline == "dataloader"
+def loader_options(recipe, dataset, run) -> dict:
+    """DataLoader options for `dataset` on `run`'s rank. Its own generator: a mid-epoch resume's extra iterator
+    must not draw from the global stream dropout uses. A dataset that makes whole batches itself (the device
+    pipeline's `__getitems__`) is not collated again."""
+    per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
     return dict(
         num_workers=num_workers,
         pin_memory=per_image_on_gpu,
         persistent_workers=num_workers > 0,
         worker_init_fn=ignore_stop_signal,
-        generator=torch.Generator().manual_seed(recipe.seed + rank),
+        generator=torch.Generator().manual_seed(recipe.seed + run.rank),
+        collate_fn=_as_made if hasattr(dataset, "__getitems__") else None,
     )
 
 
-def require_a_step(steps_per_epoch: int, train_images: int, world_size: int, batch_size: int) -> None:
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"{train_images} training images over {world_size} processes give less than one "
-            f"batch of {batch_size} per process: use more images or a smaller batch"
-        )
-
-
-@dataclass
-class Loaders:
-    train_set: Dataset
-    train_loader: DataLoader
-    val_loader: DataLoader
-    val_images: int
-    steps_per_epoch: int
-    train_sampler: DistributedSampler | None = None  # these three: None under Accelerate
-    train_batches: "SkipFirst | None" = None
-    val_mask: torch.Tensor | None = None
-    recalibration: list = field(default_factory=list)
-
-    def sizes(self) -> dict:
-        """What a checkpoint records of the data, and a resume must match."""
-        return {
-            "train_images": len(self.train_set),
-            "val_images": self.val_images,
-            "steps_per_epoch": self.steps_per_epoch,
-        }
+def _as_made(batch):
+    return batch
 
 
 class CIFAR10(Dataset):

@@ -54,9 +54,22 @@ def evaluate(
     return totals
 
 
-def exact_ratios(averaged: torch.Tensor, world_size: int) -> tuple[float, float]:
+def exact_ratios(averaged: torch.Tensor, world_size: int, expected: int | None = None) -> tuple[float, float]:
     """(loss, accuracy) from evaluate()'s [loss_sum, correct, count] averaged over `world_size` ranks: times the
     world size, the sums again, with the counts rounded back to whole images, so that 8,500 of 10,000 is 0.85
     at any world size (the AVG's division by 7 alone leaves 0.8499999999999999)."""
     loss_sum, correct, count = (averaged.double() * world_size).tolist()
+    if expected is not None and round(count) != expected:
+        raise RuntimeError(f"validation counted {count} images, expected {expected}")
     return loss_sum / round(count), round(correct) / round(count)
+
+
+def evaluate_run(run, gather=None) -> torch.Tensor:
+    """evaluate() of this rank's validation loader as `run` evaluates: its EMA or model, its recipe's precision
+    and flip, a bar on rank 0's terminal; the sampler's padding masked out, unless `gather` drops it."""
+    from .bars import validation_bar
+
+    recipe, data = run.recipe, run.data
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else None  # an EMA copy is not autocast by a wrapper
+    loader = validation_bar(run.show, data.val_loader)
+    return evaluate(run.eval_model, loader, data.val_mask, run.device, dtype, recipe.tta_flip, gather=gather)

@@ -47,8 +47,13 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_training(raw_model: torch.nn.Module, recipe: Recipe, global_batch_size: int, steps_per_epoch: int):
-    lr = scaled_lr(recipe, global_batch_size)
-    optimizer = build_optimizer(raw_model, recipe, lr)
-    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
-    return lr, optimizer, scheduler, torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+def build_training(run, recipe: Recipe):
+    """(lr, optimizer, scheduler, criterion, EMA or None) for run.raw_model at run's global batch size."""
+    from .ema import build_ema
+
+    lr = scaled_lr(recipe, run.global_batch_size)
+    optimizer = build_optimizer(run.raw_model, recipe, lr)
+    scheduler = build_scheduler(optimizer, recipe, run.data.steps_per_epoch)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+    ema = build_ema(run.raw_model, recipe.ema_decay) if recipe.ema_decay else None
+    return lr, optimizer, scheduler, criterion, ema

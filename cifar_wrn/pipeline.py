@@ -1,9 +1,29 @@
 """The on-device pipeline: the whole uint8 dataset on the device, augmented a batch at a time."""
 
+import math
+
 import torch
 from torch.utils.data import Dataset
 
-from .data import CIFAR10, NORMALIZATION, DataError
+from .data import CIFAR10, NORMALIZATION, DataError, load_split
+
+
+def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
+    """The training and validation sets of --data-dir as the recipe's pipeline serves them; a DataError (the same
+    on every rank) when they cannot be read, or give no step or recalibration batch to each rank."""
+    train_data = load_split(args.data_dir, True, args.train_subset)
+    val_data = load_split(args.data_dir, False, args.val_subset)
+    images, world_size, batch_size = len(train_data[1]), run.world_size, recipe.batch_size
+    if math.ceil(images / world_size) < batch_size:
+        raise DataError(
+            f"{images} training images over {world_size} processes give less than one "
+            f"batch of {batch_size} per process: use more images or a smaller batch"
+        )
+    if recipe.bn_recalibration and min(recipe.bn_recalibration, images) < world_size:
+        raise DataError(
+            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
+        )
+    return make_datasets(train_data, val_data, recipe, run.device, run.rank)
 
 
 def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
@@ -94,6 +114,10 @@ class DeviceBatches(Dataset):
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def __getitems__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once, as a DataLoader with batch_sampler= asks for it."""
+        return self[indices]
 
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices, device=self.device)

@@ -32,6 +32,14 @@ class PhaseTimer:
             self.marks = [(None, self._now())]
         return t0
 
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Mark the phases from hooks, so that the training step itself carries no timer: the forward begins
+        (data ends) and ends, the optimizer step begins (backward ends) and ends."""
+        model.register_forward_pre_hook(lambda module, inputs: self.mark("data"))
+        model.register_forward_hook(lambda module, inputs, outputs: self.mark("forward"))
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.mark("backward"))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.mark("optimizer"))
+
     def mark(self, phase: str) -> None:
         """End `phase`: the time since the previous mark is its."""
         if self.enabled:

@@ -78,7 +78,8 @@ class Progress:
 
     @classmethod
     def of(cls, checkpoint: dict) -> "Progress":
-        return cls(**{f.name: checkpoint[f.name] for f in dataclasses.fields(cls) if f.name in checkpoint})
+        """A checkpoint's progress; reading it checked that it has every field (cifar_wrn.checkpoint's KEYS)."""
+        return cls(**{f.name: checkpoint[f.name] for f in dataclasses.fields(cls)})
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,17 +116,38 @@ class Progress:
         streak = trailing_streak([m["val_accuracy"] for m in self.history], recipe.target_accuracy)
         return left > 0 and streak + left >= recipe.patience
 
+    def stopped_at(self, recipe) -> int | None:
+        """The first epoch (1-based) after which the stopping rule in force held, or None."""
+        accuracies = [m["val_accuracy"] for m in self.history]
+        held = [
+            n
+            for n in range(1, len(accuracies) + 1)
+            if criterion_met(accuracies[:n], recipe.target_accuracy, recipe.patience)
+        ]
+        return held[0] if held else None
+
+    def epochs_left(self, recipe) -> bool:
+        """Is there an epoch to train: the rule has not held yet (a resume may have changed it), and the budget,
+        or the safety net, is open."""
+        open_ = self.epoch < recipe.epochs or self.safety_net_open(recipe)
+        return open_ and self.stopped_at(recipe) is None
+
     def epochs(self, recipe):
-        """The epochs left: the budget's, then the safety net's while it is open."""
-        while self.epoch < recipe.epochs or self.safety_net_open(recipe):
+        """The epochs left: the budget's, then the safety net's while it is open; none once the rule held."""
+        while self.epochs_left(recipe):
             yield self.epoch
 
 
-def final_line(progress: Progress, recipe, stopped_early: bool) -> str:
-    extra = min(progress.epoch - recipe.epochs, recipe.extra_epochs)
-    if stopped_early:
+def final_line(progress: Progress, recipe) -> str:
+    """The course's last line: where the stopping rule held, or that it did not."""
+    return final_text(progress.stopped_at(recipe), progress.epoch, recipe)
+
+
+def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:
+    extra = min((stopped_at or epochs_run) - recipe.epochs, recipe.extra_epochs)
+    if stopped_at:
         note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
-        return f"Early stopping after epoch {progress.epoch}{note}"
+        return f"Early stopping after epoch {stopped_at}{note}"
     return (
         f"Target accuracy {recipe.target_accuracy} not reached {recipe.patience} epochs in a row within "
         f"{recipe.epochs} epochs" + (f" and {extra} safety-net epoch(s)" if extra > 0 else "")
@@ -158,28 +180,28 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(
-    path, progress: Progress, data, raw_model, recipe, lr: float, world_size: int, model_width: int, **launch
-) -> "JsonLog":
-    """Rank 0's JSON log (path None elsewhere; appended to on resume), opened with its header."""
+def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
+    """Rank 0's JSON log (appended to on a resume), opened with its header; `launch`: how the processes started."""
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
+    layout, prefix = f"{launch['num_nodes']}x{launch['num_gpus']}", "accel-" if run.accelerator else ""
+    path = run_log_path(args.log_json, args.recipe, layout, prefix) if run.is_main else None
     log = JsonLog(path, append=progress.epoch > 0 or progress.step > 0)
     if path:
         print(f"Run log: {path}", flush=True)
     log.write(
         run_header(
-            world_size=world_size,
+            world_size=run.world_size,
             **launch,
             per_device_batch_size=recipe.batch_size,
-            global_batch_size=recipe.batch_size * world_size,
-            lr=lr,
-            steps_per_epoch=data.steps_per_epoch,
-            train_images=len(data.train_set),
-            val_images=data.val_images,
-            model_width=model_width,
+            global_batch_size=run.global_batch_size,
+            lr=run.lr,
+            steps_per_epoch=run.data.steps_per_epoch,
+            train_images=len(run.data.train_set),
+            val_images=run.data.val_images,
+            model_width=run.model_width,
             architecture=ARCHITECTURE,
-            model_parameters=count_parameters(raw_model),
+            model_parameters=count_parameters(run.raw_model),
             recipe=dataclasses.asdict(recipe),
             argv=sys.argv,
             resumed_at={"epoch": progress.epoch + 1, "step": progress.step}
@@ -187,8 +209,8 @@ def open_run_log(
             else None,
         )
     )
-    if path and model_width != COURSE_WIDTH:
-        print(f"note: --model-width {model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
+    if path and run.model_width != COURSE_WIDTH:
+        print(f"note: --model-width {run.model_width} is not the course model (width {COURSE_WIDTH})", flush=True)
     return log
 
 

@@ -9,8 +9,6 @@ import time
 
 import torch
 
-from .ema import evaluated_network
-
 
 def _snapshot(modules: list[torch.nn.Module], optimizer, scheduler, device) -> dict:
     return {
@@ -33,32 +31,38 @@ def _restore(saved: dict, modules: list[torch.nn.Module], optimizer, scheduler, 
         torch.cuda.set_rng_state(saved["cuda_rng"], device)
 
 
-def warm_up(model, raw_model, eval_model, optimizer, scheduler, criterion, recipe, device, autocast: dict) -> float:
-    """recipe.startup_steps training steps (through `model`, as the loop trains) and one validation forward, then
+def warm_up(run, recipe) -> float:
+    """recipe.startup_steps training steps (through run.model, as the loop trains) and one validation forward, then
     everything restored; returns the seconds it took (0 when off)."""
     if not recipe.startup_steps:
         return 0.0
     t0 = time.perf_counter()
-    modules = [raw_model] + ([eval_model] if eval_model is not raw_model else [])
+    device, model, raw_model, ema, optimizer, scheduler = (
+        run.device,
+        run.model,
+        run.raw_model,
+        run.ema,
+        run.optimizer,
+        run.scheduler,
+    )
+    modules = [raw_model] + ([ema] if ema is not None else [])
     saved = _snapshot(modules, optimizer, scheduler, device)
-    memory_format = torch.channels_last if recipe.channels_last else torch.contiguous_format
-    random_images = lambda n: torch.randn(n, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
+    random_images = lambda n: torch.randn(n, 3, 32, 32, device=device).contiguous(memory_format=run.layout)
     images, labels = random_images(recipe.batch_size), torch.randint(0, 10, (recipe.batch_size,), device=device)
     model.train()
     for _ in range(recipe.startup_steps):
-        with torch.autocast(**autocast):
-            loss = criterion(model(images), labels)
+        with torch.autocast(**run.autocast):
+            loss = run.criterion(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         scheduler.step()
-        if eval_model is not raw_model:
-            eval_model.update_parameters(raw_model)
-    network = evaluated_network(eval_model)
-    network.eval()
-    with torch.no_grad(), torch.autocast(**autocast):
-        network(random_images(recipe.eval_batch_size))
-    network.train()
+        if ema is not None:
+            ema.update_parameters(raw_model)
+    run.network.eval()
+    with torch.no_grad(), torch.autocast(**run.autocast):
+        run.network(random_images(recipe.eval_batch_size))
+    run.network.train()
     _restore(saved, modules, optimizer, scheduler, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,8 +36,7 @@ def test_off_by_default_the_budget_ends_the_run():
     assert (progress.epoch, done) == (4, False)
     assert not any("safety_net" in r or "extra_epoch" in r for r in records)
     assert (
-        final_line(progress, Recipe(epochs=4), done)
-        == "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs"
+        final_line(progress, Recipe(epochs=4)) == "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs"
     )
 
 
@@ -47,7 +46,7 @@ def test_near_miss_at_the_budgets_end_fires_and_the_extra_epoch_completes_the_cr
     assert records[3]["safety_net"] == {"budget": 4, "extra_epochs": 1, "streak": 1, "patience": 2}
     assert records[4]["extra_epoch"] == 1 and "safety_net" not in records[4]
     assert (
-        final_line(progress, Recipe(epochs=4, extra_epochs=1), done)
+        final_line(progress, Recipe(epochs=4, extra_epochs=1))
         == "Early stopping after epoch 5 (1 safety-net epoch(s) after the 4-epoch budget)"
     )
     line = epoch_line({**records[3], "cumulative_time": 1.0, "epoch_time": 1.0, "images_per_sec": 1.0, "val_loss": 1.0})
@@ -59,7 +58,7 @@ def test_an_extra_epoch_that_misses_ends_the_run_unmet():
     progress, done, records = simulate([0.70, 0.80, 0.849, 0.866, 0.849], extra_epochs=1)
     assert (progress.epoch, done) == (5, False)
     assert (
-        final_line(progress, Recipe(epochs=4, extra_epochs=1), done)
+        final_line(progress, Recipe(epochs=4, extra_epochs=1))
         == "Target accuracy 0.85 not reached 2 epochs in a row within 4 epochs and 1 safety-net epoch(s)"
     )
 

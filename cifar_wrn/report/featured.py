@@ -55,7 +55,7 @@ def featured_text(runs: list[Run]) -> str:
 def printed_lines(run: Run) -> list[str]:
     """What rank 0 printed, line for line from the log: each epoch's line and the final line (the trainers'
     own functions, cifar_wrn/runlog.py), or none when the log ends before the run did."""
-    from ..runlog import Progress, epoch_line, final_line
+    from ..runlog import epoch_line, final_text
 
     lines = [epoch_line(e) for e in run.epochs]
     stop = run_stop(run)
@@ -69,7 +69,8 @@ def printed_lines(run: Run) -> list[str]:
             epochs=budget,
             extra_epochs=run.recipe.get("extra_epochs", 0),
         )  # logs from before the safety net: 0
-        lines.append(final_line(Progress(epoch=run.epochs[-1]["epoch"]), recipe, stopped))
+        last = run.epochs[-1]["epoch"]
+        lines.append(final_text(last if stopped else None, last, recipe))
     return lines
 
 

@@ -1,0 +1,149 @@
+"""Launch plumbing a student need not learn to follow the course's steps: where the ranks meet, the launcher that
+holds the rendezvous and passes stop signals on, clear errors when the group does not form or a rank fails, and
+what the run log records of the launch."""
+
+import contextlib
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .cli import (
+    CPU_FALLBACK_WARNING,
+    accelerate_launch_problem,
+    launched_by_torchrun,
+    launcher_name,
+    launcher_world_size,
+    local_world_size,
+)
+from .errors import UserError, group_not_formed, run_reporting_failures
+
+
+def rendezvous(args, device: torch.device) -> dict:
+    """init_process_group's meeting point: torchrun's environment, the store this node's launcher holds, or node 0's
+    address and port. NCCL connects at once, to this rank's GPU."""
+    if launched_by_torchrun():
+        meet = dict(init_method="env://")
+    elif args.launcher_store:
+        timeout = timedelta(seconds=args.dist_timeout)
+        meet = dict(store=dist.TCPStore(args.master_addr, args.master_port, None, False, timeout=timeout))
+    else:
+        meet = dict(init_method=f"tcp://{args.master_addr}:{args.master_port}")
+    return {**meet, "device_id": device if device.type == "cuda" else None}
+
+
+@contextlib.contextmanager
+def forming_group(rank, world_size: int | None, args):
+    """Around init_process_group (raw_ddp.py) or Accelerator() (accel_train.py): not every process joining is one
+    UserError naming the address, world size and timeout."""
+    import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
+
+    try:
+        yield
+    except dist.DistError as exc:
+        if hasattr(args, "num_nodes"):  # raw_ddp.py
+            where = (
+                f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
+            )
+            who, hint = (
+                f"rank {rank}: ",
+                "Start every node with the same --num-nodes, --num-gpus, --master-addr and --master-port.",
+            )
+        else:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            who, hint = "", "Start every node with the same config, --main_process_ip and --main_process_port."
+        raise group_not_formed(who, where, world_size or launcher_world_size(), args.dist_timeout, exc, hint) from None
+
+
+def report_failures(train, local_rank: int, args, recipe) -> None:
+    """train(local_rank, args, recipe), any failure said once by the rank where it happened, and its exit status."""
+    rank = os.environ.get("RANK") or getattr(args, "node_id", 0) * getattr(args, "num_gpus", 1) + local_rank
+    lost = (dist.DistBackendError, dist.DistNetworkError)
+    run_reporting_failures(lambda: train(local_rank, args, recipe), rank, lost)
+
+
+class Launcher:
+    """raw_ddp.py's launching process. On one node with no --master-port it holds the rendezvous store on a port the
+    system picks (nothing can take it first, as torchrun's agent does); a SIGUSR1 or SIGTERM to it goes on to each
+    live rank as SIGUSR1 (checkpoint and stop); wait() exits as the ranks did."""
+
+    def __init__(self, args):
+        self.args, self.processes = args, []
+        args.launcher_store = args.master_port is None
+        if args.launcher_store:
+            self.store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)
+            args.master_port = self.store.port
+        signal.signal(signal.SIGUSR1, self.pass_on)
+        signal.signal(signal.SIGTERM, self.pass_on)
+
+    def pass_on(self, signum, frame) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+
+    def wait(self, context) -> None:
+        self.processes.extend(context.processes)
+        try:
+            while not context.join(grace_period=10):
+                pass
+        except mp.ProcessExitedException as exc:
+            if exc.signal_name:  # killed: it could not report itself
+                failed = self.args.node_id * self.args.num_gpus + exc.error_index
+                print(f"error: rank {failed} was killed by {exc.signal_name}", file=sys.stderr)
+            sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
+
+
+def launch_fields(args, run) -> dict:
+    """What the run log's header records of the launch."""
+    if run.accelerator is None:
+        launcher = "torchrun" if launched_by_torchrun() else "mp.spawn"
+        backend = dist.get_backend()
+        return dict(
+            num_nodes=args.num_nodes, num_gpus=args.num_gpus, backend=backend, device=run.device.type, launcher=launcher
+        )
+    import accelerate
+
+    accelerator = run.accelerator
+    per_node = local_world_size(accelerator.num_processes)
+    return dict(
+        num_gpus=per_node,
+        num_nodes=accelerator.num_processes // per_node,
+        device=accelerator.device.type,
+        backend=accelerator.state.backend or "none",
+        launcher=launcher_name(),
+        trainer="accelerate",
+        accelerate_version=accelerate.__version__,
+        mixed_precision=accelerator.mixed_precision,
+        distributed_type=accelerator.distributed_type.value,
+    )
+
+
+def check_accelerate_launch(accelerator, args, recipe) -> None:
+    """accel_train.py, once the group formed: every process the launch started joined it (else each would train
+    alone); on the CPU the node's cores shared and the warnings said; the launch's precision note."""
+    import accelerate
+    from accelerate.utils import parse_flag_from_env
+
+    from .errors import AgreedError
+    from .recipe import slow_bf16_warning
+
+    world_size, device = accelerator.num_processes, accelerator.device
+    problem = accelerate_launch_problem(
+        world_size, accelerator.distributed_type.value, device.type, accelerate.__version__
+    )
+    if problem:
+        raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(world_size)))
+        if args.cpu_fallback and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+            accelerator.print(CPU_FALLBACK_WARNING, file=sys.stderr)
+        if warning := slow_bf16_warning(device.type, recipe.precision):
+            accelerator.print(warning, file=sys.stderr)
+        if recipe.sync_bn:
+            raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
+    if args.precision_note:
+        accelerator.print(f"note: {args.precision_note}", flush=True)

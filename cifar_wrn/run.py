@@ -1,0 +1,121 @@
+"""One rank's training objects, filled in by the entry point in order: setup, then build_data, then build_model."""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .data import SkipFirst
+from .evaluation import real_sample_mask
+from .model import COURSE_WIDTH
+from .pipeline import DeviceBatches, recalibration_batches
+from .recipe import Recipe, autocast_options, memory_format
+
+
+@dataclass
+class Data:
+    train_set: Dataset
+    val_set: Dataset
+    train_loader: DataLoader
+    val_loader: DataLoader
+    steps_per_epoch: int
+    train_sampler: DistributedSampler | None = None  # these three: None on accel_train.py's DataLoader path
+    train_batches: SkipFirst | None = None
+    val_sampler: DistributedSampler | None = None
+    recalibration: list = field(default_factory=list)
+
+    @property
+    def val_images(self) -> int:
+        return len(self.val_set)
+
+    @property
+    def val_mask(self) -> torch.Tensor | None:
+        """False for the sampler's padding, which repeats images (None: the loader drops it itself)."""
+        return None if self.val_sampler is None else real_sample_mask(self.val_sampler)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The device pipeline's augmentation stream, which a checkpoint keeps."""
+        return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
+
+    def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
+        """accel_train.py: this epoch's batches less the `skip` already trained, reshuffled with seed + epoch: the
+        sampler's (the device pipeline), or Accelerate's prepared loader's (its count restarts at 0 on a resume)."""
+        if self.train_sampler is not None:
+            self.train_sampler.set_epoch(epoch)
+            self.train_batches.skip = skip
+            return self.train_loader
+        from accelerate import skip_first_batches
+
+        self.train_loader.set_epoch(epoch)
+        return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+
+    def sizes(self) -> dict:
+        """What a checkpoint records of the data, and a resume must match."""
+        return {
+            "train_images": len(self.train_set),
+            "val_images": self.val_images,
+            "steps_per_epoch": self.steps_per_epoch,
+        }
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    rank: int  # global: 0 .. world_size - 1
+    local_rank: int  # on this node: the GPU it uses
+    world_size: int
+    device: torch.device
+    show: bool = False  # progress bars: rank 0 only, on a terminal
+    accelerator: object = None  # accel_train.py's Accelerator; None in raw_ddp.py
+    model_width: int = COURSE_WIDTH
+    data: Data | None = None
+    model: torch.nn.Module | None = None  # what the loop trains: DDP(raw_model), maybe compiled
+    raw_model: torch.nn.Module | None = None  # the WideResNet itself
+    ema: torch.nn.Module | None = None  # the EMA evaluated instead of raw_model (recipe key ema_decay), or None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    criterion: torch.nn.Module | None = None
+    lr: float = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.recipe.batch_size * self.world_size  # per_device_batch_size x world_size
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """What validation runs: the EMA, or the model itself."""
+        return self.raw_model if self.ema is None else self.ema
+
+    @property
+    def network(self) -> torch.nn.Module:
+        """The WideResNet evaluated and saved: inside the EMA, or the model itself."""
+        return self.raw_model if self.ema is None else self.ema.module
+
+    @property
+    def autocast(self) -> dict:
+        return autocast_options(self.recipe, self.device)
+
+    @property
+    def layout(self) -> torch.memory_format:
+        return memory_format(self.recipe)
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        """The DDP module under torch.compile's wrapper (or None: one process under Accelerate)."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        return model if isinstance(model, DistributedDataParallel) else None
+
+    def recalibration_batches(self) -> list:
+        """This rank's batches for bn_recalibration, made once."""
+        if not self.data.recalibration and self.recipe.bn_recalibration:
+            data = self.data
+            data.recalibration = recalibration_batches(
+                data.train_set, self.recipe, self.rank, self.world_size, self.device
+            )
+        return self.data.recalibration

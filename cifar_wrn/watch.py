@@ -1,0 +1,87 @@
+"""Around the training steps, never in them: the warm-up and run log before the first epoch; per epoch the clock,
+--profile's phase times (hooks on the model and optimizer), --trace and the progress bar; per step the ranks'
+agreement on stop signals and non-finite losses (every few steps, one all-reduce of a few flags)."""
+
+import torch
+
+from .agreement import agree_on_flags
+from .bars import EpochBar
+from .launch import launch_fields
+from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
+from .resilience import StepGuard, install_stop_handlers
+from .runlog import JsonLog, Progress, open_run_log
+from .startup import warm_up
+
+
+def start_training(args, recipe, run, progress: Progress) -> "Watch":
+    """The warm-up (recipe key startup_steps, before the clock and undone), the run log with its header, and
+    the Watch of the epochs to come."""
+    run.recalibration_batches()  # made now: a problem with them stops the run before it trains
+    startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
+    log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
+    return Watch(args, run, log)
+
+
+class Watch:
+    def __init__(self, args, run, log: JsonLog):
+        install_stop_handlers()  # from now on SIGUSR1 and SIGTERM mean "checkpoint and stop", never "die now"
+        self.run, self.log, self.profile = run, log, args.profile
+        self.guard = StepGuard(run.rank, run.world_size, run.device)
+        self.timer = PhaseTimer(run.device, enabled=args.profile, trace_dir=args.trace, rank=run.rank)
+        self.last_images = None
+        if args.profile:
+            self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
+            run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
+
+    def start_epoch(self, progress: Progress) -> None:
+        self.progress = progress
+        self.t0 = self.timer.start(self.run.device)
+        steps = self.run.data.steps_per_epoch
+        self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size)
+
+    def step_done(self, step: int, loss: torch.Tensor) -> bool:
+        """After each step: True when every rank is to checkpoint and stop (a stop signal reached one of them);
+        raises RunStopped on every rank when a loss is not finite."""
+        stop = self.guard.check(loss, self.progress.epoch, step, self.run.data.steps_per_epoch, agree_on_flags)
+        if not stop:
+            self.bar.step(loss)
+        self.timer.mark("other")
+        return stop
+
+    def seconds(self) -> float:
+        """The epoch's training time so far (a resumed epoch's earlier part included)."""
+        return self.progress.epoch_time_so_far + synchronized_clock(self.run.device) - self.t0
+
+    def end_epoch(self) -> float:
+        """The epoch's training time; with --profile its phases and all-reduce estimate wait for log_epoch."""
+        self.bar.close()
+        epoch_time = self.seconds()
+        self.extras = {}
+        if self.profile:
+            steps_run = self.run.data.steps_per_epoch - self.progress.step
+            self.extras = {"profile": self.timer.totals(), "comm_estimate": self.allreduce_estimate(steps_run)}
+        else:
+            self.timer.totals()  # stops --trace's profiler
+        return epoch_time
+
+    def log_epoch(self, metrics: dict) -> None:
+        """The run log's epoch record (rank 0's log), and --profile's table on rank 0."""
+        if self.profile and self.run.is_main:
+            profile, comm = self.extras["profile"], self.extras["comm_estimate"]
+            print(profile_table(profile, metrics["epoch_time"], comm, metrics["epoch"]), flush=True)
+        self.log.write({"kind": "epoch", **metrics, **self.extras})
+
+    def allreduce_estimate(self, steps_run: int) -> float:
+        """--profile: the seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
+        run, images = self.run, self.last_images
+        if run.ddp is None or images is None or not steps_run:
+            return 0.0
+        labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # any: only the time counts
+        forward = torch.autocast(**run.autocast)(lambda: run.criterion(run.model(images), labels))
+        backward = lambda loss: loss.backward()  # noqa: E731
+        return steps_run * allreduce_cost(
+            forward, backward, run.ddp.no_sync, run.model.zero_grad, run.raw_model, run.device
+        )
+
+    def close(self) -> None:
+        self.log.close()
