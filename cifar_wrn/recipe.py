@@ -1,8 +1,9 @@
-"""Hyperparameters: the Recipe dataclass, YAML recipes in recipes/, and --set overrides."""
+"""Hyperparameters: the Recipe dataclass, YAML recipes in cifar_wrn/recipes/, and --set overrides."""
 
 import dataclasses
 import math
 from dataclasses import dataclass, fields
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -10,7 +11,9 @@ import yaml
 
 from .errors import UserError
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# Package data (pyproject.toml), so that an installed package finds them without the checkout; the checkout's
+# top-level recipes/ is a link to this folder.
+RECIPE_DIR = resources.files(__package__) / "recipes"
 
 
 class RecipeError(UserError):
@@ -154,7 +157,14 @@ def _coerce(key: str, value, source: str):
     return number
 
 
-def recipe_path(name_or_path: str) -> Path:
+def known_recipes() -> list[str]:
+    """The names of the recipes shipped in the package."""
+    return sorted(p.name.removesuffix(".yaml") for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_path(name_or_path: str):
+    """A YAML path as given, else the shipped recipe of that name (a pathlib.Path, or a Traversable where the
+    package is not in a folder)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return path
@@ -164,8 +174,9 @@ def recipe_path(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
     path = recipe_path(name_or_path)
     if not path.is_file():
-        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-        raise RecipeError(f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known)}")
+        raise RecipeError(
+            f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known_recipes())}"
+        )
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader) or {}
     except UnicodeDecodeError as exc:
