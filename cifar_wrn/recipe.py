@@ -1,8 +1,9 @@
-"""Hyperparameters: the Recipe dataclass, YAML recipes in recipes/, and --set overrides."""
+"""Hyperparameters: the Recipe dataclass, YAML recipes in cifar_wrn/recipes/, and --set overrides."""
 
 import dataclasses
 import math
 from dataclasses import dataclass, fields
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -10,7 +11,9 @@ import yaml
 
 from .errors import UserError
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# Package data (pyproject.toml), so that an installed package finds them without the checkout; the checkout's
+# top-level recipes/ is a link to this folder.
+RECIPE_DIR = resources.files(__package__) / "recipes"
 
 
 class RecipeError(UserError):
@@ -88,12 +91,53 @@ CHOICES = {
     "normalization": ("cifar", "course"),
 }
 FIELDS = {f.name: f for f in fields(Recipe)}
+FLOAT_KEYS = tuple(name for name, f in FIELDS.items() if f.type is float)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key written twice in one mapping of a YAML file."""
+
+    def __init__(self, key, first, second):
+        super().__init__(f"key {key!r} written twice")
+        self.key, self.first, self.second = key, first, second
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, but a key written twice in one mapping is an error (SafeLoader keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, value_node in node.value if isinstance(node, yaml.MappingNode) else []:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise DuplicateKeyError(key_node.value, seen[key], value_node)
+            seen[key] = value_node
+        return super().construct_mapping(node, deep)
+
+
+def _where(node) -> str:
+    shown = node.value if isinstance(node, yaml.ScalarNode) else "..."
+    return f"line {node.start_mark.line + 1}: {shown}"
+
+
+def _float(value):
+    """`value` as a float, if it is one: YAML 1.1 reads 5e-4 (no dot) and nan (no leading dot) as strings."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _coerce(key: str, value, source: str):
     if key not in FIELDS:
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
     kind = FIELDS[key].type
+    if kind is float:
+        value = _float(value)
     ok = {
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -102,10 +146,25 @@ def _coerce(key: str, value, source: str):
     }[kind]
     if not ok:
         raise RecipeError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
-    return float(value) if kind is float else value
+    if kind is not float:
+        return value
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise RecipeError(f"{source}: '{key}' must be a finite number, got {value}")
+    return number
 
 
-def recipe_path(name_or_path: str) -> Path:
+def known_recipes() -> list[str]:
+    """The names of the recipes shipped in the package."""
+    return sorted(p.name.removesuffix(".yaml") for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_path(name_or_path: str):
+    """A YAML path as given, else the shipped recipe of that name (a pathlib.Path, or a Traversable where the
+    package is not in a folder)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return path
@@ -115,16 +174,21 @@ def recipe_path(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
     path = recipe_path(name_or_path)
     if not path.is_file():
-        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-        raise RecipeError(f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known)}")
+        raise RecipeError(
+            f"recipe '{name_or_path}' not found (looked for {path}); known recipes: {', '.join(known_recipes())}"
+        )
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader) or {}
     except UnicodeDecodeError as exc:
         raise RecipeError(
             f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is a YAML file of key: value lines"
         ) from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except DuplicateKeyError as exc:
+        raise RecipeError(
+            f"{path}: key '{exc.key}' is written twice ({_where(exc.first)}; {_where(exc.second)}): write each key once"
+        ) from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -132,7 +196,10 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
     values = {key: _coerce(key, value, str(path)) for key, value in raw.items()}
     for key, value in (overrides or {}).items():
         if isinstance(value, str) and FIELDS.get(key) is not None and FIELDS[key].type is not str:
-            value = yaml.safe_load(value)  # "--set momentum=0.9" arrives as a string
+            try:
+                value = yaml.load(value, Loader=StrictLoader)  # "--set momentum=0.9" arrives as a string
+            except yaml.YAMLError:
+                pass  # not YAML: _coerce names the key and the string as given
         values[key] = _coerce(key, value, "command line")
     recipe = Recipe(**values)
     check_recipe(recipe)
@@ -150,6 +217,13 @@ def parse_set(items: list[str]) -> dict:
 
 
 def check_recipe(r: Recipe) -> None:
+    not_finite = [
+        f"{key} must be a finite number (got {getattr(r, key)})"
+        for key in FLOAT_KEYS
+        if not math.isfinite(getattr(r, key))
+    ]
+    if not_finite:  # before the range checks, which a NaN passes
+        raise RecipeError("invalid recipe: " + "; ".join(not_finite))
     problems = []
     for key in ("epochs", "batch_size", "patience", "reference_batch_size", "eval_batch_size"):
         if getattr(r, key) < 1:
