@@ -233,8 +233,9 @@ def test_runs_that_differ_are_not_compared_and_say_why(logs, tmp_path):
     path, _, _ = write_report(runs, tmp_path / "out", figures=False)
     text = path.read_text()
     assert (
-        "**`other` is not compared with a 1-process run**: against `one` it differs in recipe (target_accuracy)"
-        ", so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in text
+        "**`other` is not compared with a 1-process run**: against `one` it differs in the stopping rule in force "
+        "at the target (target_accuracy 0.85 vs 0.9), so no speedup, efficiency, Karp-Flatt or Amdahl is computed"
+        in text
     )
     assert "Karp-Flatt e |" not in text
 
@@ -705,6 +706,52 @@ def test_a_resume_with_a_lower_target_is_met_where_the_trainer_stopped(tmp_path)
     text = write_report([run], tmp_path / "out", figures=False)[0].read_text()
     assert "| 3 | 300.000 | 100.000 | 490.0 | – | 1.1300 | 0.8700 | 2/2, stop |" in text
     assert "| 2 | 200.000 | 100.000 | 510.0 | – | 1.1400 | 0.8600 |  |" in text  # 0.86 < 0.9 then
+
+
+def resume_at(path, epoch: int, **recipe):
+    """Insert into the log at `path`, before the record of `epoch`, the header a resume at the start of that
+    epoch writes: the first header with resumed_at and the recipe keys given changed."""
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    resume = dict(header, resumed_at={"epoch": epoch, "step": 0}, recipe=dict(header["recipe"], **recipe))
+    lines.insert(epoch, json.dumps(resume))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# 1 process at patience 3: 0.86, 0.87, 0.90 from epoch 2 -> stops at epoch 4, T = 400 s.
+# 2 processes: 0.50, 0.86 under patience 3, then resumed at epoch 3 under patience 1: 0.87 -> stops at epoch 3,
+# T = 180 s. Compared, S = 400 / 180 = 2.22 on p = 2 (superlinear), but only because it stopped under a laxer rule.
+PATIENT = [(60.0, 900.0, 0.50), (60.0, 950.0, 0.86), (60.0, 1000.0, 0.87), (60.0, 950.0, 0.90)]
+
+
+def test_runs_whose_rule_in_force_at_the_target_differs_are_not_compared_and_say_why(tmp_path):
+    """Both logs start with the same recipe (patience 3), but the 2-process run was resumed under patience 1 and
+    met that: their times to target measure different rules, so no speedup, and one line says which."""
+    one = write_log(tmp_path / "one.jsonl", 1, 1, ONE, patience=3)
+    two = resume_at(write_log(tmp_path / "two.jsonl", 1, 2, PATIENT, patience=3), 3, patience=1)
+    runs = [read_run(one), read_run(two)]
+    assert runs[1].rules == ([0.85] * 4, [3, 3, 1, 1])
+    sc, rows = rows_by_p(runs)
+    assert rows[1]["time_to_target"] == 400.0 and rows[2]["time_to_target"] == 180.0
+    assert sc.basis is None and "speedup" not in rows[2] and "karp_flatt" not in rows[2]
+    text = write_report(runs, tmp_path / "out", figures=False)[0].read_text()
+    assert (
+        "**`two` is not compared with a 1-process run**: against `one` it differs in the stopping rule in force "
+        "at the target (patience 3 vs 1), so no speedup, efficiency, Karp-Flatt or Amdahl is computed" in text
+    )
+    assert "Karp-Flatt e |" not in text
+
+
+def test_a_resume_that_brings_the_rule_in_line_is_compared_under_the_rule_in_force(tmp_path):
+    """The 2-process run started at patience 1 but was resumed at epoch 2 under patience 3, the 1-process run's
+    rule, before it met either: it stopped under patience 3 at epoch 4 (T = 240 s), so the pair is compared:
+    S = 400 / 240 on p = 2."""
+    one = write_log(tmp_path / "one.jsonl", 1, 1, ONE, patience=3)
+    two = resume_at(write_log(tmp_path / "two.jsonl", 1, 2, PATIENT, patience=1), 2, patience=3)
+    sc, rows = rows_by_p([read_run(one), read_run(two)])
+    assert sc.basis == "time" and rows[2]["reference"].label == "one"
+    assert abs(rows[2]["speedup"] - 400.0 / 240.0) < EXACT
 
 
 def test_the_committed_resumed_logs_are_each_one_run():

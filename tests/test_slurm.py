@@ -181,6 +181,39 @@ def test_docs_mention_every_script():
         assert f"slurm/{path.name}" in docs, path.name
 
 
+def constraints(path: Path) -> dict[str, str]:
+    """The requirements of a pip constraints file, {name: specifier}, as pip reads them (comments dropped)."""
+    from packaging.requirements import Requirement
+
+    found = {}
+    for line in path.read_text().splitlines():
+        line = re.sub(r"(^|\s)#.*", "", line).strip()
+        if line:
+            req = Requirement(line)
+            assert req.name not in found, f"{path.name}: {req.name} constrained twice"
+            found[req.name] = str(req.specifier)
+    return found
+
+
+def test_falcon_constraints_pin_the_modules_torch_and_the_setup_uses_them():
+    """slurm/constraints-falcon.txt pins the torch of Falcon's module (2.7.1) and its torchvision (0.22.1), and
+    accelerate at the version docs/development.md tested with them; docs/slurm.md's one-time setup installs the
+    project with it, so pip never pulls another torch into the venv over the module's."""
+    path = SLURM / "constraints-falcon.txt"
+    pins = constraints(path)
+    assert pins["torch"] == "==2.7.1" and pins["torchvision"] == "==0.22.1", pins
+    tested = re.search(
+        r"torch 2\.7\.1\S* / torchvision 0\.22\.1\S* / accelerate (\S+?),",
+        (REPO / "docs" / "development.md").read_text(),
+    )
+    assert tested and pins.get("accelerate") == f"=={tested.group(1)}", pins
+    assert set(pins) == {"torch", "torchvision", "accelerate"}, f"{path.name} pins what was not tested: {pins}"
+    assert "PyTorch/2.7.1-" in (SLURM / "site.sh").read_text()  # the module these pins are for
+    docs = (REPO / "docs" / "slurm.md").read_text()
+    setup = docs[docs.index("## One-time setup") :].split("\n## ", 1)[0]
+    assert re.search(r"^ *\.venv/bin/pip install -c slurm/constraints-falcon\.txt -e \.(\s|$)", setup, re.M), setup
+
+
 @pytest.mark.slow
 def test_missing_data_says_how_to_prepare_it(tmp_path):
     cmd = 'source slurm/common.sh && stage_data && echo "DATA_DIR=$DATA_DIR"'

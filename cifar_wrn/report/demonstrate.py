@@ -185,7 +185,8 @@ def _measures(r: Run) -> list:
 
 def compare_blocks(before: Run, after: Run) -> list:
     """A before/after table from two of the student's logs, and what else than the recipe differs."""
-    other = [str(d) for d in differences([before, after]) if d.key != "recipe"]
+    # the recipe change, the stopping rule included, is the table's own column
+    other = [str(d) for d in differences([before, after]) if d.key not in ("recipe", "stopping rule")]
     if before.world_size != after.world_size:
         other.append(f"world size ({before.world_size} vs {after.world_size})")
     head = ["", "recipe change", "Cumulative Time to target (s)", "mean images/sec", "final val accuracy", "epochs"]

@@ -1,6 +1,6 @@
 """The scaling arithmetic: time to the stopping criterion, speedup, parallel efficiency, the Karp-Flatt serial
-fraction and Amdahl's predictions, computed only between comparable runs (same recipe, data, model and device
-type, differing in world size)."""
+fraction and Amdahl's predictions, computed only between comparable runs (same recipe, stopping rule in force at
+the target, data, model and device type, differing in world size)."""
 
 import json
 import math
@@ -11,6 +11,8 @@ from .logs import Run, full_recipe, is_number
 AMDAHL_GPUS = (2, 4, 8)  # the GPU counts Amdahl's law is asked about
 # Header entries that must agree for a speedup to compare like with like.
 COMPARABLE = ("recipe", "train_images", "val_images", "model_width", "model_parameters", "device")
+# The recipe keys of the stopping rule: compared as in force at the target (run_rule), not as the first header's.
+STOP_RULE = ("target_accuracy", "patience")
 
 
 def stopping_epoch(accuracies, target, patience) -> int | None:
@@ -30,6 +32,16 @@ def stopping_epoch(accuracies, target, patience) -> int | None:
 def run_stop(run: Run) -> int | None:
     """The epoch index at which `run` stopped under the rules in force, or None."""
     return stopping_epoch(run.accuracies, *run.rules)
+
+
+def run_rule(run: Run) -> dict:
+    """The stopping rule ({target_accuracy, patience}) in force when `run` met it, the one its time to target
+    measures; for a run that never met it, the rule it ended with. A resume may change the rule (Run.rules)."""
+    stop = run_stop(run)
+    if stop is None:
+        return {key: run.recipe[key] for key in STOP_RULE}
+    targets, patiences = run.rules
+    return {"target_accuracy": targets[stop], "patience": patiences[stop]}
 
 
 def time_to_target(epochs: list[dict], target, patience) -> float | None:
@@ -79,7 +91,8 @@ def amdahl_speedup(serial_fraction: float, n: int) -> float:
 
 @dataclass
 class Difference:
-    """A header entry (COMPARABLE) that is not the same in every run, in words."""
+    """A header entry (COMPARABLE), or the stopping rule in force at the target (key "stopping rule"), that
+    is not the same in every run, in words."""
 
     key: str
     text: str
@@ -88,14 +101,35 @@ class Difference:
         return self.text
 
 
+def _rule_difference(runs: list[Run]) -> Difference | None:
+    """The stopping rule in force at the target (run_rule), when it is not the same in every run: their times
+    to target would measure different rules."""
+    rules = [run_rule(r) for r in runs]
+    changed = [
+        f"{key} {' vs '.join(dict.fromkeys(str(rule[key]) for rule in rules))}"
+        for key in STOP_RULE
+        if any(rule[key] != rules[0][key] for rule in rules)
+    ]
+    if not changed:
+        return None
+    return Difference("stopping rule", f"the stopping rule in force at the target ({', '.join(changed)})")
+
+
+def _header_value(run: Run, key: str):
+    """A COMPARABLE entry of the first header; the recipe in full (full_recipe) less its stopping rule, which
+    a resume may change (STOP_RULE: compared as in force at the target)."""
+    value = run.header.get(key)
+    if key == "recipe" and isinstance(value, dict):
+        return {k: v for k, v in full_recipe(value).items() if k not in STOP_RULE}
+    return value
+
+
 def differences(runs: list[Run]) -> list[Difference]:
-    """Header entries (COMPARABLE) that are not the same in every run."""
+    """Header entries (COMPARABLE) that are not the same in every run, and the stopping rule in force at the
+    target (run_rule) when it is not."""
     out = []
     for key in COMPARABLE:
-        values = [
-            full_recipe(r.header[key]) if key == "recipe" and isinstance(r.header.get(key), dict) else r.header.get(key)
-            for r in runs
-        ]
+        values = [_header_value(r, key) for r in runs]
         if all(v == values[0] for v in values):
             continue
         if key == "recipe" and all(isinstance(v, dict) for v in values):
@@ -103,6 +137,9 @@ def differences(runs: list[Run]) -> list[Difference]:
             out.append(Difference(key, "recipe (" + ", ".join(keys) + ")"))
         else:
             out.append(Difference(key, f"{key} ({' vs '.join(dict.fromkeys(map(str, values)))})"))
+    rule = _rule_difference(runs)
+    if rule:  # after the rest of the recipe
+        out.insert(1 if out and out[0].key == "recipe" else 0, rule)
     return out
 
 
@@ -179,9 +216,10 @@ def _karp_flatt_and_amdahl(row: dict, s: float) -> list[str]:
 
 def scaling(runs: list[Run]) -> Scaling:
     """The numbers of the scaling table. Each N-process run is compared only with a 1-process run of the same
-    experiment (COMPARABLE: recipe, data, model, device type), the first such one given; a run with none gets
-    no speedup, efficiency, Karp-Flatt or Amdahl, and a note naming what differs. The basis is Cumulative Time
-    to target when every compared run reached it, else mean images/sec (so all rows share one basis)."""
+    experiment (COMPARABLE: recipe, data, model, device type; and the stopping rule in force at the target,
+    run_rule), the first such one given; a run with none gets no speedup, efficiency, Karp-Flatt or Amdahl,
+    and a note naming what differs. The basis is Cumulative Time to target when every compared run reached
+    it, else mean images/sec (so all rows share one basis)."""
     ordered = sorted(runs, key=lambda r: (r.world_size, r.num_nodes))  # stable: ties keep the given order
     rows = [_row(r) for r in ordered]
     singles = [r for r in ordered if r.world_size == 1]
