@@ -43,7 +43,7 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
-from accelerate.utils import DDPCommunicationHookType, reduce, set_seed
+from accelerate.utils import DDPCommunicationHookType, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
@@ -101,7 +101,7 @@ def build_data(args, recipe, run: Run) -> Data:
         fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # A1.4
     # beyond R1: every rank's load problem is all-gathered, so all stop together (one rank alone would hang)
     train_set, val_set = together(run.local_rank == 0, load_datasets, args, recipe, run, note=fetched)
-    if recipe.data_pipeline == "device":  # raw_ddp.py's sampler: prepare() would shard these batches again
+    if recipe.data_pipeline == "device":  # A1.5 not here: raw_ddp.py's sampler (prepare() would shard again)
         train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)
         val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))  # a resume skips
@@ -120,7 +120,7 @@ def build_data(args, recipe, run: Run) -> Data:
 
 # ==== model
 def build_model(args, recipe, run: Run) -> None:
-    set_seed(recipe.seed)  # the same initial weights on every rank
+    torch.manual_seed(recipe.seed)  # the same initial weights on every rank
     raw_model = WideResNet(width=args.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
@@ -131,7 +131,7 @@ def build_model(args, recipe, run: Run) -> None:
         run.raw_model, run.optimizer, run.scheduler
     )  # A1.8
     run.raw_model = run.accelerator.unwrap_model(run.model)  # A1.8
-    set_seed(recipe.seed, device_specific=True)  # from here on, each rank augments differently
+    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank augments differently
 
 
 # ==== train
@@ -144,8 +144,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             return
         watch = start_training(args, recipe, run, progress)  # the warm-up, the run log, the epoch's watch
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
-            loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip
             watch.start_epoch(progress)
+            loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip
             correct = train_epoch(args, recipe, run, loader, progress, watch)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged over the ranks
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
@@ -157,13 +157,13 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if run.is_main:  # A1.10 only the main process prints
                 print(epoch_line(metrics), flush=True)  # A1.10
             watch.log_epoch(metrics)
-            if args.checkpoint_dir:  # beyond R1: every rank save_state's its part, the main process publishes
-                save_checkpoint(args, recipe, run, progress, finished=done)
+            if args.checkpoint_dir:
+                save_checkpoint(args, recipe, run, progress, finished=done)  # beyond R1: save_state on every rank
         if run.is_main:  # A1.10
             print(final_line(progress, recipe), flush=True)  # A1.10
         # ==== teardown
         if run.is_main and args.save:
-            run.accelerator.save(run.network.state_dict(), args.save)
+            torch.save(run.network.state_dict(), args.save)
         watch.close()
     finally:
         accelerator, run, watch = run.accelerator, None, None  # DDP's reference cycle holds the group: freed now

@@ -159,8 +159,8 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if run.is_main:  # R1.10 only rank 0 prints: one line per epoch, not one per process
                 print(epoch_line(metrics), flush=True)  # R1.10
             watch.log_epoch(metrics)
-            if args.checkpoint_dir:  # beyond R1: rank 0 gathers every rank's random streams
-                save_checkpoint(args, recipe, run, progress, finished=done)
+            if args.checkpoint_dir:
+                save_checkpoint(args, recipe, run, progress, finished=done)  # beyond R1: rank 0 gathers, writes
         if run.is_main:  # R1.10
             print(final_line(progress, recipe), flush=True)  # R1.10
         # ==== teardown

@@ -5,10 +5,10 @@ import os
 import socket
 import sys
 
-from .safe_files import check_writable
 from .errors import UserError
 from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set
+from .safe_files import check_writable
 
 # Both trainers, where CUDA is missing and no device was asked for: they train on the CPU after saying so.
 CPU_FALLBACK_WARNING = (
@@ -207,7 +207,7 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         if cuda_count == 0 and node_main:
             print(CPU_FALLBACK_WARNING, file=sys.stderr)
         args.device = "cuda" if cuda_count else "cpu"
-    args.master_port = args.master_port or port_from_env()
+    args.master_port = port_from_env() if args.master_port is None else args.master_port
     args.torchrun_local_rank, args.launcher_store = None, False
     if launched_by_torchrun():
         args.torchrun_local_rank = int(os.environ["LOCAL_RANK"])

@@ -71,7 +71,7 @@ class Run:
     accelerator: object = None  # accel_train.py's Accelerator; None in raw_ddp.py
     model_width: int = COURSE_WIDTH
     data: Data | None = None
-    model: torch.nn.Module | None = None  # what the loop trains: DDP(raw_model), maybe compiled
+    model: torch.nn.Module | None = None  # what the loop trains: raw_model in DDP, maybe compiled
     raw_model: torch.nn.Module | None = None  # the WideResNet itself
     ema: torch.nn.Module | None = None  # the EMA evaluated instead of raw_model (recipe key ema_decay), or None
     optimizer: torch.optim.Optimizer | None = None

@@ -34,17 +34,18 @@ import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
 from cifar_wrn.checkpoint import (
-    latest_checkpoint,
     load_checkpoint,
     read_training_state,
     resume_disagreement,
     resume_problem,
     what_was_seen,
 )
+from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
+from cifar_wrn.safe_files import latest_checkpoint
 
 
 def two_nodes(node_flags: list[list], timeout=120):
@@ -220,7 +221,7 @@ def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch)
     calls, emas = record_evaluation_broadcasts(monkeypatch, raw_ddp, raw_ddp.dist, "broadcast")
     # --master-port: run in-process, without the launcher that would otherwise host the rendezvous on a port of
     # its own (raw_ddp.py's __main__), so rank 0 binds this one itself
-    args, recipe = raw_ddp.resolve(
+    args, recipe = resolve_raw_launch(
         raw_ddp.parse_args(
             [
                 str(f)
@@ -239,7 +240,7 @@ def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatc
     from accelerate.state import AcceleratorState
 
     calls, emas = record_evaluation_broadcasts(monkeypatch, accel_train, accel_train, "broadcast")
-    args, recipe = accel_train.resolve(
+    args, recipe = resolve_accel_launch(
         accel_train.parse_args([str(f) for f in reliability_flags(cifar_dir, "--epochs", 1, "--set", "ema_decay=0.9")])
     )
     try:

@@ -35,6 +35,7 @@ from helpers import (
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import raw_ddp
+from cifar_wrn.cli import resolve_raw_launch
 from cifar_wrn.data import CIFAR10, DataError, load_split
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
@@ -231,7 +232,7 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
 
 def test_sync_bn_on_cpu_is_refused():
     with pytest.raises(UserError, match="sync_bn needs CUDA"):
-        raw_ddp.resolve(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
+        resolve_raw_launch(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
 
 
 def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifar_dir):

@@ -8,12 +8,14 @@ import torch
 from helpers import TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
+from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, load_split
 from cifar_wrn.evaluation import evaluate, real_sample_mask, tta_logits
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
 from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
+from cifar_wrn.run import Run
 
 # ----------------------------------------------------------------------------- model
 
@@ -209,12 +211,14 @@ def test_dataset_normalises_and_augments():
 
 
 def test_a_data_dir_that_is_the_batches_folder_itself_names_its_parent(cifar_dir):
-    from cifar_wrn.data import load_splits
-
     inner = cifar_dir / "cifar-10-batches-py"
-    *_, problem = load_splits(inner, 10, 10)
+    with pytest.raises(DataError) as refused:
+        load_split(inner, True, 10)
+    problem = str(refused.value)
     assert f"{inner} holds data_batch_1 itself" in problem and f"--data-dir {cifar_dir.resolve()}" in problem
-    assert "holds data_batch_1" not in load_splits(cifar_dir / "nothing", 10, 10)[2]
+    with pytest.raises(DataError) as refused:
+        load_split(cifar_dir / "nothing", True, 10)
+    assert "holds data_batch_1" not in str(refused.value)
 
 
 def test_both_trainers_take_both_cpu_flags():
@@ -223,9 +227,10 @@ def test_both_trainers_take_both_cpu_flags():
     import raw_ddp
 
     assert raw_ddp.parse_args(["--cpu"]).device == "cpu" and raw_ddp.parse_args(["--device", "cpu"]).device == "cpu"
-    assert accel_train.parse_args(["--device", "cpu"]).cpu and accel_train.parse_args(["--cpu"]).cpu
-    assert accel_train.parse_args([]).cpu == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
-    assert not accel_train.parse_args(["--device", "cuda"]).cpu and raw_ddp.parse_args([]).device == "auto"
+    cpu = lambda *flags: resolve_accel_launch(accel_train.parse_args(list(flags)))[0].cpu
+    assert cpu("--device", "cpu") and cpu("--cpu")
+    assert cpu() == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
+    assert raw_ddp.parse_args([]).device == "auto"
 
 
 def batch_indices(loader) -> list[int]:
@@ -243,12 +248,12 @@ def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch,
     import raw_ddp
 
     monkeypatch.setattr(raw_ddp.dist, "barrier", lambda: None)
-    monkeypatch.setattr(raw_ddp.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 2))
     flags = ["--device", "cpu", "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
     flags += ["--batch-size", 32, "--set", f"data_pipeline={pipeline}", "--set", "num_workers=0"]
     flags += ["--set", "augmentation=crop_flip"]  # the course's needs the DataLoader pipeline
-    args, recipe = raw_ddp.resolve(raw_ddp.parse_args([str(f) for f in flags]))
-    ranks = [raw_ddp.build_data(args, recipe, rank, 2, rank, torch.device("cpu")) for rank in (0, 1)]
+    args, recipe = resolve_raw_launch(raw_ddp.parse_args([str(f) for f in flags]))
+    runs = [Run(recipe, rank, rank, 2, torch.device("cpu")) for rank in (0, 1)]
+    ranks = [raw_ddp.build_data(args, recipe, run) for run in runs]
     orders = []
     for epoch in (0, 1):
         for data in ranks:

@@ -12,6 +12,7 @@ from helpers import REPO, cpu_env
 
 import accel_train
 import raw_ddp
+from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.errors import UserError
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
 
@@ -19,15 +20,15 @@ FLOAT_KEYS = [f.name for f in fields(Recipe) if f.type is float]
 # (as written, as the message names it): YAML's spellings and Python's
 NOT_FINITE = [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf"), ("nan", "nan"), ("inf", "inf")]
 # each entry point's flag for the CPU, so that resolve() needs no CUDA
-ENTRY_POINTS = [(raw_ddp, ["--device", "cpu"]), (accel_train, ["--cpu"])]
+ENTRY_POINTS = [(raw_ddp, resolve_raw_launch, ["--device", "cpu"]), (accel_train, resolve_accel_launch, ["--cpu"])]
 
 
 def refusals(argv: list) -> list[str]:
     """What each entry point's resolve() says when refusing `argv` (both must refuse it as a UserError)."""
     said = []
-    for module, cpu in ENTRY_POINTS:
+    for module, resolve, cpu in ENTRY_POINTS:
         with pytest.raises(UserError) as info:
-            module.resolve(module.parse_args([*cpu, *argv]))
+            resolve(module.parse_args([*cpu, *argv]))
         said.append(str(info.value))
     return said
 

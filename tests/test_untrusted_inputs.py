@@ -23,8 +23,10 @@ from helpers import (
     write_cifar,
 )
 
-from cifar_wrn.checkpoint import TRAINING_STATE, CheckpointError, load_checkpoint, read_training_state
+from cifar_wrn.checkpoint import load_checkpoint, read_training_state
+from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.data import DataError, load_split
+from cifar_wrn.safe_files import TRAINING_STATE, CheckpointError
 
 NOT_OURS = "is not a checkpoint this project wrote"
 
@@ -177,7 +179,7 @@ def test_checkpoint_files_are_read_as_data_only(tmp_path):
     with pytest.raises(CheckpointError, match=f"{NOT_OURS} \\(it holds a list, not a dict\\)"):
         load_checkpoint(tmp_path)
     torch.save({"epoch": 1}, path)
-    with pytest.raises(CheckpointError, match=f"{NOT_OURS} \\(it lacks step, "):
+    with pytest.raises(CheckpointError, match="checkpoint.pt lacks step, "):
         load_checkpoint(tmp_path)
     torch.save({"epoch": RunsCode(tmp_path / "marker")}, tmp_path / TRAINING_STATE)
     with pytest.raises(CheckpointError, match=f"{TRAINING_STATE} {NOT_OURS} .*Unsupported global: GLOBAL io.open"):
@@ -284,7 +286,7 @@ LATEST_CASES = ["absolute", "dot-dot", "..", "symlinked folder", "symlinked LATE
 
 @pytest.mark.parametrize("how", LATEST_CASES)
 def test_latest_naming_anything_but_a_folder_of_dir_is_refused(tmp_path, how):
-    from cifar_wrn.checkpoint import latest_checkpoint, publish_checkpoint
+    from cifar_wrn.safe_files import latest_checkpoint, publish_checkpoint
 
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     bad_latest(ck, victim, how)
@@ -301,7 +303,7 @@ def test_temporary_files_never_follow_a_link(tmp_path):
     """Names another account could put in a shared folder beforehand, as links to somebody's file or folder."""
     import os
 
-    from cifar_wrn.checkpoint import check_writable, fresh_folder, save_atomic
+    from cifar_wrn.safe_files import check_writable, fresh_folder, save_atomic
 
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     ck.mkdir()
@@ -460,7 +462,8 @@ def test_bad_inputs_are_refused_when_the_flags_are_read(tmp_path, monkeypatch, e
     flags, message = bad_input(tmp_path, case)
     launch = ["--device", "cpu"] if entry == "raw_ddp" else ["--cpu"]
     with pytest.raises(UserError, match=message) as refused:
-        module.resolve(module.parse_args([*launch, *flags]))
+        resolve = resolve_raw_launch if entry == "raw_ddp" else resolve_accel_launch
+        resolve(module.parse_args([*launch, *flags]))
     assert "\n" not in str(refused.value)
 
 

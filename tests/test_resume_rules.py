@@ -1,0 +1,160 @@
+"""What a resume may and may not continue, for both trainers (2 CPU processes each): a resume whose stopping rule
+already holds on the epochs the checkpoint recorded trains nothing and ends with the course's last line; a
+checkpoint without the training counts of its epoch (train_correct, train_seen: an earlier version's) is refused
+on every rank, one error line, before anything trains.
+
+Both tests resume from copies of one shared 2-epoch run per trainer (two_epoch_runs: their target, 0.99, unmet).
+"""
+
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+from helpers import ACCEL_TINY, EPOCH_LINE, TINY, cpu_env, data_flags, finish, start
+from test_accel import CONFIGS, accel_env, accelerate_command
+
+from cifar_wrn.runlog import read_log
+
+TRAINERS = ["raw", "accel"]
+TIMEOUT = 240  # seconds per launch (several side by side on a loaded machine); then every process is killed
+FIRST_TARGET = 0.99  # the first runs' target: not met in 2 epochs of the tiny model
+
+
+def command(trainer: str, data_dir, *extra) -> list:
+    """2 CPU processes of `trainer`'s tiny model on all of `data_dir`, --dist-timeout 60, then `extra`."""
+    if trainer == "raw":
+        return [
+            sys.executable,
+            "raw_ddp.py",
+            "--num-gpus",
+            2,
+            *TINY,
+            *data_flags(data_dir),
+            "--dist-timeout",
+            60,
+            *extra,
+        ]
+    flags = ["--cpu", *ACCEL_TINY, *data_flags(data_dir), "--dist-timeout", 60, *extra]
+    return accelerate_command(CONFIGS / "two_cpus.yaml", *flags)
+
+
+def launch(trainer: str, data_dir, *runs: list) -> list:
+    """Each of `runs` (a list of flags) launched at once, side by side; their results, in order."""
+    env = cpu_env() if trainer == "raw" else accel_env()
+    procs = [start(command(trainer, data_dir, *flags), env=env) for flags in runs]
+    return [finish(proc, TIMEOUT) for proc in procs]
+
+
+@pytest.fixture(scope="module")
+def two_epoch_runs(cifar_dir, tmp_path_factory) -> dict:
+    """trainer -> a folder holding ck/ (the checkpoint after epoch 2) and log.jsonl, of 2 epochs with
+    --target-accuracy 0.99 (unmet); both trainers' runs side by side. Tests resume from copies (copy_run)."""
+    folders = {trainer: tmp_path_factory.mktemp(f"first_{trainer}") for trainer in TRAINERS}
+    procs = {
+        trainer: start(
+            command(
+                trainer,
+                cifar_dir,
+                *["--epochs", 2, "--target-accuracy", FIRST_TARGET],
+                *["--checkpoint-dir", folder / "ck", "--log-json", folder / "log.jsonl"],
+            ),
+            env=cpu_env() if trainer == "raw" else accel_env(),
+        )
+        for trainer, folder in folders.items()
+    }
+    for trainer, proc in procs.items():
+        result = finish(proc, TIMEOUT)
+        assert result.returncode == 0, f"{trainer}:\n{result.stdout}\n{result.stderr[-3000:]}"
+        assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2], result.stdout
+        _, epochs = read_log(folders[trainer] / "log.jsonl")
+        # what the tests rely on: the first run's target unmet, the resumes' target (0.01) met after each epoch
+        assert all(0.01 <= e["val_accuracy"] < FIRST_TARGET for e in epochs), epochs
+    return folders
+
+
+def copy_run(first, into):
+    """A test's own copy of a first run's folder: ck/ and log.jsonl."""
+    return shutil.copytree(first, into)
+
+
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_rules")
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_resume_whose_stopping_rule_already_holds_trains_nothing(cifar_dir, tmp_path, two_epoch_runs, trainer):
+    """The 2-epoch run resumed with --epochs 5 and a target of 0.01, met after epochs 1 and 2: with patience 2
+    the rule held after epoch 2, with patience 1 after epoch 1 (the first epoch after which it held). Neither
+    resume trains an epoch, each ends with the course's last line, and the log keeps its 2 epochs. (A resume
+    that ignored the rule in force would train epoch 3.)"""
+    first = two_epoch_runs[trainer]
+    _, logged = read_log(first / "log.jsonl")
+    copies = {patience: copy_run(first, tmp_path / f"patience{patience}") for patience in (2, 1)}
+    results = launch(
+        trainer,
+        cifar_dir,
+        *[
+            ["--resume", "--epochs", 5, "--target-accuracy", 0.01, "--patience", patience]
+            + ["--checkpoint-dir", folder / "ck", "--log-json", folder / "log.jsonl"]
+            for patience, folder in copies.items()
+        ],
+    )
+    for (patience, folder), result in zip(copies.items(), results):
+        shown = f"patience {patience}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, shown
+        assert "Resuming from" in result.stdout and ": epoch 3, step 0" in result.stdout, shown
+        assert "Epoch = " not in result.stdout, shown  # nothing trained
+        assert last_line(result.stdout) == f"Early stopping after epoch {patience}", shown
+        _, epochs = read_log(folder / "log.jsonl")
+        assert [e["epoch"] for e in epochs] == [1, 2]
+        assert epochs == logged  # the first run's records, nothing added or rewritten
+
+
+def training_state_file(checkpoint_dir, trainer: str):
+    """The file holding the run's progress: raw_ddp.py's checkpoint.pt, accel_train.py's training_state.pt in
+    the folder LATEST names."""
+    if trainer == "raw":
+        return checkpoint_dir / "checkpoint.pt"
+    return checkpoint_dir / (checkpoint_dir / "LATEST").read_text().strip() / "training_state.pt"
+
+
+def rank_exit_codes(stderr: str) -> dict:
+    """rank -> exit status, from torchrun's failure report (accelerate launch prints it when a rank failed)."""
+    report = re.findall(r"rank +: (\d+) \(local_rank: \d+\)\s+exitcode +: (-?\d+)", stderr)
+    return {int(rank): int(status) for rank, status in report}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_rules")
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_checkpoint_without_the_training_counts_is_refused(cifar_dir, tmp_path, two_epoch_runs, trainer):
+    """The checkpoint after epoch 2 less train_correct and train_seen (as an earlier version wrote it): --resume
+    for a third epoch stops every rank with exit status 2 before anything trains, one error line (the same from
+    each process that prints it) naming the file and both keys, no traceback; the file is left as it was."""
+    folder = copy_run(two_epoch_runs[trainer], tmp_path / "run")
+    path = training_state_file(folder / "ck", trainer)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    assert {"train_correct", "train_seen"} <= state.keys(), sorted(state)  # written by this version
+    del state["train_correct"], state["train_seen"]
+    torch.save(state, path)
+    before = path.read_bytes()
+    (result,) = launch(trainer, cifar_dir, ["--resume", "--epochs", 3, "--checkpoint-dir", folder / "ck"])
+    shown = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+    assert "Epoch = " not in result.stdout, shown
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, shown  # one line per process that prints it
+    assert str(path) in errors[0] and "train_correct" in errors[0] and "train_seen" in errors[0], shown
+    if trainer == "raw":  # mp.spawn's launcher exits as the ranks did
+        assert result.returncode == 2, shown
+        assert "Traceback" not in result.stderr, shown
+    else:  # torchrun's agent (in accelerate launch) reports each rank's status, then raises ChildFailedError
+        assert rank_exit_codes(result.stderr) == {0: 2, 1: 2} and result.returncode != 0, shown
+        # the one traceback is the launcher's own; no rank printed one
+        assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError(" in result.stderr, shown
+        assert 'accel_train.py", line' not in result.stderr, shown
+    assert path.read_bytes() == before  # left as it was
