@@ -31,7 +31,7 @@ from cifar_wrn.data import SkipFirst
 from cifar_wrn.ema import build_ema
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
-from cifar_wrn.optim import build_training
+from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
 from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import load_recipe, parse_set
 from cifar_wrn.resilience import StepGuard
@@ -84,7 +84,9 @@ def training_step(recipe, device, model_width: int):
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=recipe.seed)
     loader = DataLoader(data, batch_size=None, sampler=SkipFirst(BatchSampler(sampler, recipe.batch_size, True)))
     steps_per_epoch = len(loader)
-    _, optimizer, scheduler, criterion = build_training(raw_model, recipe, recipe.batch_size, steps_per_epoch)
+    optimizer = build_optimizer(raw_model, recipe, scaled_lr(recipe, recipe.batch_size))
+    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     guard, batches, count = StepGuard(0, 1, device), iter(()), 0
 

@@ -12,6 +12,7 @@ while changing the seed moves it by up to 14 % (1.30 to 1.48); the last epoch's 
 0.13, its mean over the epochs by <= 0.03. The tolerances below (5 % and 0.08) sit between those.
 """
 
+import ast
 import math
 import re
 import signal
@@ -193,6 +194,30 @@ def test_the_diff_check_sees_an_unmarked_difference(tmp_path):
     raw.write_text("x = 1\ny = dist.reduce(x)  # R1.9\nw = 2\nz = 3\n")
     accel.write_text("x = 1\n# A1.9: the same sum\ny = accelerator.reduce(x)\nw = 2\nz = 4  # the answer\n")
     assert unmarked_differences(raw, accel) == (2, ["accel.py:5-5: z = 4"])
+
+
+def cifar_wrn_names(path: Path) -> set[str]:
+    """Names an entry point takes from cifar_wrn: imported names, and module.attr uses of an imported module."""
+    tree, names, modules = ast.parse(path.read_text()), set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cifar_wrn"):
+            for alias in node.names:
+                (modules if node.module == "cifar_wrn" else names).add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            names.add(f"{node.value.id}.{node.attr}")
+    return names
+
+
+def test_raw_ddp_takes_at_most_30_names_from_the_package_and_every_module_has_one_job():
+    """A student follows raw_ddp.py with few other names to look up; no package module past 400 lines (the report
+    aside), and none reads a class an entry point defines (the training objects are cifar_wrn.run.Run)."""
+    names = cifar_wrn_names(REPO / "raw_ddp.py")
+    assert "Run" in names and len(names) <= 30, sorted(names)
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "cifar_wrn").glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 400} == {}
+    for path in (REPO / "raw_ddp.py", REPO / "accel_train.py"):
+        assert not [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)], path.name
 
 
 @pytest.mark.parametrize("name", ["raw_ddp.py", "accel_train.py"])
