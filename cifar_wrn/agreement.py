@@ -1,10 +1,6 @@
-"""The collectives that are not course steps, in one place: every rank agrees on errors, stops and checkpoints.
-
-The course's own collectives (R1.3-R1.9) stay in raw_ddp.py, by hand; this module is the plumbing around them, so
-that a fault on one rank stops every rank with one message instead of leaving the others waiting. It uses
-torch.distributed's default group, which raw_ddp.py forms and Accelerate forms for accel_train.py; without one
-(a single process) each call is its one-process answer.
-"""
+"""The collectives that are not course steps: every rank agrees on errors, stops and checkpoints, so a fault on
+one rank stops all with one message instead of leaving the others waiting. The course's own collectives stay in
+raw_ddp.py. Works on the default group (raw_ddp.py's or Accelerate's); without one, as one process."""
 
 import os
 
@@ -46,8 +42,7 @@ def all_gather(obj) -> list:
 
 
 def together(shown: bool, action, *args, note: str | None = None):
-    """action(*args) on every rank; if it raises a UserError on any rank, every rank raises the same AgreedError
-    (said by the `shown` process of each node, with `note`): one rank alone would leave the others waiting."""
+    """action(*args); a UserError on any rank is the same AgreedError on all (said where `shown`, with `note`)."""
     result, problem = None, None
     try:
         result = action(*args)
@@ -60,13 +55,13 @@ def together(shown: bool, action, *args, note: str | None = None):
 
 
 def agree_on_flags(flags: torch.Tensor) -> None:
-    """The StepGuard's flags (stop signal, non-finite losses, step times), the maximum over the ranks, in place."""
+    """StepGuard's flags (stop, non-finite losses, step times): the maximum over the ranks, in place."""
     if _grouped():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
 
 
 def buffers_from_rank_0(module: torch.nn.Module) -> None:
-    """BatchNorm statistics end an epoch a step apart on each rank: every rank evaluates rank 0's."""
+    """BatchNorm statistics end an epoch a step apart: every rank evaluates rank 0's."""
     if _grouped():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
@@ -82,12 +77,8 @@ def training_counts(run, progress: Progress, correct: torch.Tensor, step_end: in
     return {"train_correct": progress.train_correct + correct, "train_seen": progress.train_seen + images}
 
 
-# ---- checkpoints: raw_ddp.py writes DIR/checkpoint.pt from rank 0; accel_train.py save_state folders
-
-
 def resume(args, recipe, run) -> Progress | None:
-    """Where this run starts: a fresh Progress, the checkpoint's, or None when that run had finished. Every rank
-    reads the checkpoint and they agree on it; any rank's problem stops them all."""
+    """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (that run had finished)."""
     if not (args.resume or args.auto_resume):
         return Progress()
     if run.accelerator is None:
@@ -117,59 +108,28 @@ def resume(args, recipe, run) -> Progress | None:
 
 
 def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = False) -> str:
-    """Everything needed to continue at `progress`, written so that a crash leaves the previous checkpoint whole;
-    every rank waits for it and stops if it failed. Returns where it is."""
-    if run.accelerator is None:
-        return _save_raw(args, recipe, run, progress, finished)
-    return _save_accel(args, recipe, run, progress, finished)
-
-
-def _rank_rng(run) -> dict:
-    """This rank's random streams (torch, CUDA, the device pipeline's)."""
-    generator = run.data.generator
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-        "pipeline": None if generator is None else generator.get_state(),
-    }
-
-
-def _save_raw(args, recipe, run, progress: Progress, finished: bool) -> str:
-    """Rank 0 writes DIR/checkpoint.pt, with every rank's random streams gathered to it."""
-    every_rng = [None] * run.world_size if run.is_main and _grouped() else None
-    if _grouped():
-        dist.gather_object(_rank_rng(run), every_rng, dst=0)
-    else:
-        every_rng = [_rank_rng(run)]
-    path, outcome = checkpoint_path(args.checkpoint_dir), [None]
-    if run.is_main:
+    """Everything needed to continue at `progress`; a failed write stops every rank, the previous checkpoint whole."""
+    generator, directory = run.data.generator, args.checkpoint_dir
+    if run.accelerator is None:  # rank 0 writes DIR/checkpoint.pt, with every rank's random streams
+        cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
+        pipeline = None if generator is None else generator.get_state()
+        every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
         state = raw_state(run, progress, finished, every_rng, as_dict(recipe), run.model_width)
-        outcome = [attempt(save_atomic, state, path)]
-    if _grouped():
-        dist.broadcast_object_list(outcome, src=0)  # also the barrier
-    stop_unless_written(outcome, args.checkpoint_dir)
-    return str(path)
-
-
-def _save_accel(args, recipe, run, progress: Progress, finished: bool) -> str:
-    """All ranks save_state into DIR/.incomplete, then the main process publishes it as DIR/state-<n>."""
-    generator = run.data.generator
+        path = checkpoint_path(directory)
+        stop_unless_written(all_gather(attempt(save_atomic, state, path) if run.is_main else None), directory)
+        return str(path)
+    # every rank save_state's its part into DIR/.incomplete, then the main process publishes it as DIR/state-<n>
     pipeline = all_gather(None if generator is None else generator.get_state())
     state = accel_state(run, progress, finished, pipeline, as_dict(recipe), run.model_width)
-    incomplete = os.path.join(args.checkpoint_dir, ".incomplete")
+    incomplete = os.path.join(directory, ".incomplete")
     leftover = incomplete if run.is_main else None
-    # each step's outcome to all ranks (also the barrier)
     problem = attempt(fresh_folder, incomplete) if run.is_main else None
-    stop_unless_written(all_gather(problem), args.checkpoint_dir)
-    problem = attempt(_write_folder, run.accelerator, incomplete, state if run.is_main else None)
-    stop_unless_written(all_gather(problem), args.checkpoint_dir, leftover)
-    problem = attempt(publish_checkpoint, args.checkpoint_dir, incomplete) if run.is_main else None
-    stop_unless_written(all_gather(problem), args.checkpoint_dir, leftover)
-    return latest_checkpoint(args.checkpoint_dir)
-
-
-def _write_folder(accelerator, folder, state: dict | None) -> None:
-    write_folder(accelerator.save_state, folder, state)
+    stop_unless_written(all_gather(problem), directory)
+    problem = attempt(write_folder, run.accelerator.save_state, incomplete, state if run.is_main else None)
+    stop_unless_written(all_gather(problem), directory, leftover)
+    problem = attempt(publish_checkpoint, directory, incomplete) if run.is_main else None
+    stop_unless_written(all_gather(problem), directory, leftover)
+    return latest_checkpoint(directory)
 
 
 def save_and_stop(args, recipe, run, progress: Progress, step: int, correct, seconds: float):

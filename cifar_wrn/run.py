@@ -30,18 +30,15 @@ class Data:
         return len(self.val_set)
 
     @property
-    def val_mask(self) -> torch.Tensor | None:
-        """False for the sampler's padding, which repeats images (None: the loader drops it itself)."""
+    def val_mask(self) -> torch.Tensor | None:  # None: the prepared loader drops the padding itself
         return None if self.val_sampler is None else real_sample_mask(self.val_sampler)
 
     @property
-    def generator(self) -> torch.Generator | None:
-        """The device pipeline's augmentation stream, which a checkpoint keeps."""
+    def generator(self) -> torch.Generator | None:  # the device pipeline's augmentation stream
         return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
 
     def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
-        """accel_train.py: this epoch's batches less the `skip` already trained, reshuffled with seed + epoch: the
-        sampler's (the device pipeline), or Accelerate's prepared loader's (its count restarts at 0 on a resume)."""
+        """accel_train.py: this epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
             self.train_batches.skip = skip
@@ -51,8 +48,7 @@ class Data:
         self.train_loader.set_epoch(epoch)
         return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
-    def sizes(self) -> dict:
-        """What a checkpoint records of the data, and a resume must match."""
+    def sizes(self) -> dict:  # what a checkpoint records of the data, and a resume must match
         return {
             "train_images": len(self.train_set),
             "val_images": self.val_images,
@@ -88,13 +84,11 @@ class Run:
         return self.recipe.batch_size * self.world_size  # per_device_batch_size x world_size
 
     @property
-    def eval_model(self) -> torch.nn.Module:
-        """What validation runs: the EMA, or the model itself."""
+    def eval_model(self) -> torch.nn.Module:  # what validation runs
         return self.raw_model if self.ema is None else self.ema
 
     @property
-    def network(self) -> torch.nn.Module:
-        """The WideResNet evaluated and saved: inside the EMA, or the model itself."""
+    def network(self) -> torch.nn.Module:  # the WideResNet evaluated and saved
         return self.raw_model if self.ema is None else self.ema.module
 
     @property
@@ -106,13 +100,11 @@ class Run:
         return memory_format(self.recipe)
 
     @property
-    def ddp(self) -> DistributedDataParallel | None:
-        """The DDP module under torch.compile's wrapper (or None: one process under Accelerate)."""
+    def ddp(self) -> DistributedDataParallel | None:  # under torch.compile's wrapper; None: Accelerate, 1 process
         model = getattr(self.model, "_orig_mod", self.model)
         return model if isinstance(model, DistributedDataParallel) else None
 
-    def recalibration_batches(self) -> list:
-        """This rank's batches for bn_recalibration, made once."""
+    def recalibration_batches(self) -> list:  # bn_recalibration's, made once
         if not self.data.recalibration and self.recipe.bn_recalibration:
             data = self.data
             data.recalibration = recalibration_batches(

@@ -1,6 +1,5 @@
-"""Around the training steps, never in them: the warm-up and run log before the first epoch; per epoch the clock,
---profile's phase times (hooks on the model and optimizer), --trace and the progress bar; per step the ranks'
-agreement on stop signals and non-finite losses (every few steps, one all-reduce of a few flags)."""
+"""Around the training steps, never in them: the warm-up and run log; per epoch the clock, --profile's phases
+(hooks), --trace and the bar; per step the ranks' agreement on stop signals and non-finite losses."""
 
 import torch
 
@@ -14,8 +13,7 @@ from .startup import warm_up
 
 
 def start_training(args, recipe, run, progress: Progress) -> "Watch":
-    """The warm-up (recipe key startup_steps, before the clock and undone), the run log with its header, and
-    the Watch of the epochs to come."""
+    """The warm-up (recipe key startup_steps: before the clock, then undone), the run log, the epochs' Watch."""
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
@@ -40,20 +38,18 @@ class Watch:
         self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size)
 
     def step_done(self, step: int, loss: torch.Tensor) -> bool:
-        """After each step: True when every rank is to checkpoint and stop (a stop signal reached one of them);
-        raises RunStopped on every rank when a loss is not finite."""
+        """True: every rank checkpoints and stops (a stop signal reached one); RunStopped on a non-finite loss."""
         stop = self.guard.check(loss, self.progress.epoch, step, self.run.data.steps_per_epoch, agree_on_flags)
         if not stop:
             self.bar.step(loss)
         self.timer.mark("other")
         return stop
 
-    def seconds(self) -> float:
-        """The epoch's training time so far (a resumed epoch's earlier part included)."""
+    def seconds(self) -> float:  # the epoch's training time so far, a resumed epoch's earlier part included
         return self.progress.epoch_time_so_far + synchronized_clock(self.run.device) - self.t0
 
     def end_epoch(self) -> float:
-        """The epoch's training time; with --profile its phases and all-reduce estimate wait for log_epoch."""
+        """The epoch's training time; --profile's phases wait for log_epoch."""
         self.bar.close()
         epoch_time = self.seconds()
         self.extras = {}
@@ -65,7 +61,7 @@ class Watch:
         return epoch_time
 
     def log_epoch(self, metrics: dict) -> None:
-        """The run log's epoch record (rank 0's log), and --profile's table on rank 0."""
+        """The run log's epoch record, and --profile's table on rank 0."""
         if self.profile and self.run.is_main:
             profile, comm = self.extras["profile"], self.extras["comm_estimate"]
             print(profile_table(profile, metrics["epoch_time"], comm, metrics["epoch"]), flush=True)

@@ -214,12 +214,9 @@ def as_legacy(directory):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
-@pytest.mark.parametrize("layout", ["current", "legacy"])
-def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel_checkpoint, tmp_path, layout):
+def test_accel_resume_with_ema_is_exact(accel_checkpoint, tmp_path):
     ck, flags, straight = accel_checkpoint
     shutil.copytree(ck, tmp_path / "ck")
-    if layout == "legacy":
-        as_legacy(tmp_path / "ck")
     resumed = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--resume", "--save", tmp_path / "w.pt")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming from" in resumed.stdout and resumed.stdout.count("Epoch = ") == 1
@@ -229,25 +226,37 @@ def test_accel_resume_with_ema_is_exact_from_current_and_older_checkpoints(accel
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
-@pytest.mark.parametrize(
-    "crafted", ["legacy custom_checkpoint_0.pkl", TRAINING_STATE, "optimizer.bin", "random_states_0.pkl"]
-)
-def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted):
-    """custom_checkpoint_0.pkl: what accel_train.py read with weights_only=False before; the others: what
-    it reads now (its own file, and what accelerator.load_state reads)."""
+@pytest.mark.parametrize("crafted", [None, "custom_checkpoint_0.pkl"])
+def test_an_accel_folder_of_the_earlier_layout_is_refused_unread(accel_checkpoint, tmp_path, crafted):
+    """A folder written before training_state.pt (register_for_checkpointing's custom_checkpoint_N.pkl, which
+    Accelerate unpickles in full) is refused with one line; a crafted one runs nothing."""
     ck, flags, _ = accel_checkpoint
     shutil.copytree(ck, tmp_path / "ck")
-    folder = (
-        as_legacy(tmp_path / "ck")
-        if crafted.startswith("legacy")
-        else tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
-    )
-    path = folder / crafted.split()[-1]
+    folder = as_legacy(tmp_path / "ck")
+    if crafted:
+        path = folder / crafted
+        torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
+    result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{folder} was written by an earlier accel_train.py" in result.stderr
+    assert 'accel_train.py", line' not in result.stderr and "Epoch = " not in result.stdout
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
+@pytest.mark.parametrize("crafted", [TRAINING_STATE, "optimizer.bin", "random_states_0.pkl"])
+def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted):
+    """What accel_train.py reads: its own file, and what accelerator.load_state reads."""
+    ck, flags, _ = accel_checkpoint
+    shutil.copytree(ck, tmp_path / "ck")
+    folder = tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
+    path = folder / crafted
     torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
     before = path.read_bytes()
     result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
     assert result.returncode == 2, result.stderr[-3000:]
-    shown = path if crafted in ("legacy custom_checkpoint_0.pkl", TRAINING_STATE) else folder
+    shown = path if crafted == TRAINING_STATE else folder
     assert f"{shown} {NOT_OURS}" in result.stderr and 'accel_train.py", line' not in result.stderr
     assert "Epoch = " not in result.stdout and not (tmp_path / "marker").exists()
     assert path.read_bytes() == before
