@@ -25,6 +25,9 @@ from cifar_wrn.report.scaling import (
     mean_images_per_sec,
     parallel_efficiency,
     profile_parts,
+    run_rule,
+    run_stop,
+    run_time_to_target,
     scaling,
     speedup_by_throughput,
     speedup_by_time,
@@ -1227,3 +1230,14 @@ def test_the_startup_warm_up_is_listed_with_its_cost(tmp_path):
     log.write_text("\n".join([json.dumps({**json.loads(records[0]), "startup_seconds": 1.734}), *records[1:]]) + "\n")
     listed = optimisations(read_run(log))
     assert ("startup_steps", "0", "3 (1.7 s of warm-up, before the clock)") in listed
+
+
+def test_a_resume_whose_rule_already_held_stopped_at_the_last_epoch_before_it(tmp_path):
+    """Two epochs at target 0.9 (0.86, 0.87: unmet), resumed under 0.85: the trainer checks the rule before it
+    trains, finds it held, and trains nothing. The report's stop, time to target and printed lines agree."""
+    path = write_log(tmp_path / "r.jsonl", 1, 1, [(100.0, 500.0, 0.86), (100.0, 500.0, 0.87)], target=0.9)
+    run = read_run(resume_at(path, 3, target_accuracy=0.85, epochs=5))
+    assert stopping_epoch(run.accuracies, *run.rules) is None  # each epoch's own check, under 0.9, did not hold
+    assert run_stop(run) == 1 and run_time_to_target(run) == 200.0
+    assert run_rule(run) == {"target_accuracy": 0.85, "patience": 2}
+    assert printed_lines(run)[-1] == "Early stopping after epoch 2"

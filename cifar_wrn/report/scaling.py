@@ -30,15 +30,21 @@ def stopping_epoch(accuracies, target, patience) -> int | None:
 
 
 def run_stop(run: Run) -> int | None:
-    """The epoch index at which `run` stopped under the rules in force, or None."""
-    return stopping_epoch(run.accuracies, *run.rules)
+    """The epoch index at which `run` stopped under the rules in force, or None. A resume checks its rule over the
+    logged epochs before it trains: where that held, the run stopped at the last epoch logged before it."""
+    from ..runlog import criterion_met
+
+    stop = stopping_epoch(run.accuracies, *run.rules)
+    if stop is None and run.epochs and criterion_met(run.accuracies, run.target, run.patience):
+        return len(run.epochs) - 1
+    return stop
 
 
 def run_rule(run: Run) -> dict:
     """The stopping rule ({target_accuracy, patience}) in force when `run` met it, the one its time to target
     measures; for a run that never met it, the rule it ended with. A resume may change the rule (Run.rules)."""
     stop = run_stop(run)
-    if stop is None:
+    if stop is None or stop != stopping_epoch(run.accuracies, *run.rules):  # never met, or met at a resume
         return {key: run.recipe[key] for key in STOP_RULE}
     targets, patiences = run.rules
     return {"target_accuracy": targets[stop], "patience": patiences[stop]}
@@ -51,7 +57,8 @@ def time_to_target(epochs: list[dict], target, patience) -> float | None:
 
 
 def run_time_to_target(run: Run) -> float | None:
-    return time_to_target(run.epochs, *run.rules)
+    stop = run_stop(run)
+    return None if stop is None else float(run.epochs[stop]["cumulative_time"])
 
 
 def mean_images_per_sec(epochs: list[dict]) -> float | None:

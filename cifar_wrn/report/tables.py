@@ -8,7 +8,7 @@ from .content import Bullets, Section, Step, Table, Text
 from .ddp_source import shipped_steps
 from .logs import Run, is_number
 from .notes import slot
-from .scaling import AMDAHL_GPUS, Scaling, profiled, run_stop
+from .scaling import AMDAHL_GPUS, Scaling, profiled, run_rule, run_stop
 
 
 def fmt(value, digits: int = 3, missing: str = "–") -> str:
@@ -99,10 +99,13 @@ def _streak_marks(run: Run) -> list[str]:
     """Per epoch, the criterion's progress under the rule then in force: 'k/patience', '... , stop' where met."""
     from ..runlog import trailing_streak
 
-    stop, (targets, patiences) = run_stop(run), run.rules
+    stop, (targets, patiences), at_stop = run_stop(run), run.rules, run_rule(run)
     marks = []
     for i in range(len(run.epochs)):
-        streak, patience = trailing_streak(run.accuracies[: i + 1], targets[i]), patiences[i]
+        target, patience = (
+            (at_stop["target_accuracy"], at_stop["patience"]) if i == stop else (targets[i], patiences[i])
+        )
+        streak = trailing_streak(run.accuracies[: i + 1], target)
         marks.append(
             f"{streak}/{patience}, stop" if i == stop else (f"{min(streak, patience)}/{patience}" if streak else "")
         )
