@@ -1,7 +1,4 @@
-"""Exceptions the entry points print as one message with an exit status.
-
-Imports nothing from cifar_wrn; what must run before an error is printed registers with before_report.
-"""
+"""Errors printed as one message with an exit status; imports nothing from cifar_wrn."""
 
 import sys
 import traceback
@@ -10,7 +7,6 @@ _before_report: list = []
 
 
 def before_report(hook):
-    """Register hook() to run before an error is printed (a decorator)."""
     _before_report.append(hook)
     return hook
 
@@ -36,24 +32,20 @@ class RunStopped(Exception):
 
 
 def agreed_problem(problems: list) -> str | None:
-    """One message from every rank's all-gathered problem (or None), the same on every rank."""
-    by_message: dict[str, list[int]] = {}
+    """One message from every rank's problem (or None)."""
+    by_message = {}
     for rank, problem in enumerate(problems):
         if problem:
             by_message.setdefault(problem, []).append(rank)
-    if not by_message:
-        return None
-    return "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
-        for problem, ranks in by_message.items()
-    )
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {p}" for p, r in by_message.items()) or None
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
 def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
-    """train(), any failure reported by the rank where it happened, and its exit status."""
+    """train(), any failure reported by the rank where it happened, with its exit status."""
+    say = lambda text: print(text, file=sys.stderr, flush=True)
     try:
         try:
             train()
@@ -62,29 +54,25 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
                 hook()
     except RunStopped as exc:
         if str(rank) == "0":  # 75, a preemption, is no error
-            print(f"{'error: ' if exc.status in (1, 2) else ''}{exc}", file=sys.stderr, flush=True)
+            say(f"{'error: ' if exc.status in (1, 2) else ''}{exc}")
         sys.exit(exc.status)
     except UserError as exc:
         if getattr(exc, "shown", True):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            say(f"error: {exc}")
         sys.exit(2)
     except Exception as exc:
         if isinstance(exc, lost_contact_types) or any(text in str(exc) for text in PEER_LOST):
-            print(
+            say(
                 f"error: rank {rank} lost contact with another process, which probably failed (see its error "
-                f"above or in its node's log): {str(exc).splitlines()[0]}",
-                file=sys.stderr,
-                flush=True,
+                f"above or in its node's log): {str(exc).splitlines()[0]}"
             )
         else:
-            print(f"error: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            say(f"error: rank {rank} failed:\n{traceback.format_exc()}")
         sys.exit(1)
 
 
 def group_not_formed(who: str, where: str, world_size, timeout: float, exc: Exception, hint: str) -> UserError:
-    """The error when init_process_group times out or cannot reach node 0."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
     return UserError(
-        f"{who}the process group did not form at {where} with world size {world_size} within "
-        f"{timeout:g} s: not every process joined. {hint} ({type(exc).__name__}: {first})"
+        f"{who}the process group did not form at {where} with world size {world_size} within {timeout:g} s: not "
+        f"every process joined. {hint} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
     )

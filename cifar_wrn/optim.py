@@ -1,17 +1,12 @@
 """The optimizer, its parameter groups and the learning-rate schedule a recipe asks for."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .recipe import Recipe
+from .recipe import Recipe
 
 
 def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
-    """Linear scaling rule (Goyal et al., 2017): per-epoch learning stays the same as processes are added."""
+    """Linear scaling rule (Goyal et al., 2017)."""
     if recipe.lr_scaling == "linear":
         return recipe.base_lr * global_batch_size / recipe.reference_batch_size
     return recipe.base_lr
@@ -20,8 +15,7 @@ def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
 def build_optimizer(
     model: torch.nn.Module, recipe: Recipe, lr: float, fused: bool | None = None
 ) -> torch.optim.Optimizer:
-    """Decaying BN scales and biases only fights the normalisation, so they get no weight decay. `fused` (default:
-    on a GPU) updates every parameter in one kernel, equal to the per-tensor loop up to rounding."""
+    """No weight decay on BN scales and biases: it only fights the normalisation. `fused`: default on a GPU."""
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in trained if p.ndim > 1], "weight_decay": recipe.weight_decay},
@@ -48,7 +42,7 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
 
 
 def build_training(run, recipe: Recipe):
-    """(lr, optimizer, scheduler, criterion, EMA or None) for run.raw_model at run's global batch size."""
+    """(lr, optimizer, scheduler, criterion, EMA or None) for run.raw_model."""
     from .ema import build_ema
 
     lr = scaled_lr(recipe, run.global_batch_size)
