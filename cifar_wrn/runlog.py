@@ -99,16 +99,13 @@ class Progress:
         left = recipe.epochs + recipe.extra_epochs - self.epoch
         return left > 0 and trailing_streak(self.accuracies, recipe.target_accuracy) + left >= recipe.patience
 
-    def stopped_at(self, recipe) -> int | None:
-        """The first epoch (1-based) after which the rule held, or None."""
-        acc = self.accuracies
-        held = (n for n in range(1, len(acc) + 1) if criterion_met(acc[:n], recipe.target_accuracy, recipe.patience))
-        return next(held, None)
+    def rule_holds(self, recipe) -> bool:
+        """The rule in force, checked now over every logged epoch (after each epoch, and as a resume starts)."""
+        return criterion_met(self.accuracies, recipe.target_accuracy, recipe.patience)
 
     def epochs_left(self, recipe) -> bool:
-        """The rule has not held (a resume may change it) and the budget or safety net is open."""
-        open_ = self.epoch < recipe.epochs or self.safety_net_open(recipe)
-        return open_ and self.stopped_at(recipe) is None
+        """The rule does not hold (a resume may have changed it) and the budget or safety net is open."""
+        return not self.rule_holds(recipe) and (self.epoch < recipe.epochs or self.safety_net_open(recipe))
 
     def epochs(self, recipe):
         while self.epochs_left(recipe):
@@ -116,7 +113,7 @@ class Progress:
 
 
 def final_line(progress: Progress, recipe) -> str:
-    return final_text(progress.stopped_at(recipe), progress.epoch, recipe)
+    return final_text(progress.epoch if progress.rule_holds(recipe) else None, progress.epoch, recipe)
 
 
 def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:

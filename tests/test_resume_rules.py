@@ -8,6 +8,7 @@ Both tests resume from copies of one shared 2-epoch run per trainer (two_epoch_r
 
 import re
 import shutil
+import signal
 import sys
 
 import pytest
@@ -88,10 +89,9 @@ def last_line(text: str) -> str:
 @pytest.mark.xdist_group("resume_rules")
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_resume_whose_stopping_rule_already_holds_trains_nothing(cifar_dir, tmp_path, two_epoch_runs, trainer):
-    """The 2-epoch run resumed with --epochs 5 and a target of 0.01, met after epochs 1 and 2: with patience 2
-    the rule held after epoch 2, with patience 1 after epoch 1 (the first epoch after which it held). Neither
-    resume trains an epoch, each ends with the course's last line, and the log keeps its 2 epochs. (A resume
-    that ignored the rule in force would train epoch 3.)"""
+    """The 2-epoch run resumed with --epochs 5 and a target of 0.01 (met by both epochs): at patience 2 or 1 the
+    resume's check, after epoch 2, holds. Neither resume trains an epoch, each ends with the course's last line
+    for epoch 2, and the log keeps its 2 epochs. (A resume that ignored the rule in force would train epoch 3.)"""
     first = two_epoch_runs[trainer]
     _, logged = read_log(first / "log.jsonl")
     copies = {patience: copy_run(first, tmp_path / f"patience{patience}") for patience in (2, 1)}
@@ -109,7 +109,7 @@ def test_a_resume_whose_stopping_rule_already_holds_trains_nothing(cifar_dir, tm
         assert result.returncode == 0, shown
         assert "Resuming from" in result.stdout and ": epoch 3, step 0" in result.stdout, shown
         assert "Epoch = " not in result.stdout, shown  # nothing trained
-        assert last_line(result.stdout) == f"Early stopping after epoch {patience}", shown
+        assert last_line(result.stdout) == "Early stopping after epoch 2", shown  # where the resume checked
         _, epochs = read_log(folder / "log.jsonl")
         assert [e["epoch"] for e in epochs] == [1, 2]
         assert epochs == logged  # the first run's records, nothing added or rewritten
@@ -153,7 +153,10 @@ def test_a_checkpoint_without_the_training_counts_is_refused(cifar_dir, tmp_path
         assert result.returncode == 2, shown
         assert "Traceback" not in result.stderr, shown
     else:  # torchrun's agent (in accelerate launch) reports each rank's status, then raises ChildFailedError
-        assert rank_exit_codes(result.stderr) == {0: 2, 1: 2} and result.returncode != 0, shown
+        # Each rank exits 2 by itself, unless the agent, seeing the first one gone, ended it first (SIGTERM: -15)
+        statuses = rank_exit_codes(result.stderr)
+        assert sorted(statuses) == [0, 1] and 2 in statuses.values(), shown
+        assert set(statuses.values()) <= {2, -signal.SIGTERM} and result.returncode != 0, shown
         # the one traceback is the launcher's own; no rank printed one
         assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError(" in result.stderr, shown
         assert 'accel_train.py", line' not in result.stderr, shown
