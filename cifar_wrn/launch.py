@@ -1,6 +1,5 @@
-"""Launch plumbing a student need not learn to follow the course's steps: where the ranks meet, the launcher that
-holds the rendezvous and passes stop signals on, clear errors when the group does not form or a rank fails, and
-what the run log records of the launch."""
+"""Launch plumbing a student need not learn: where the ranks meet, the launching process, clear errors when the
+group does not form or a rank fails, and what the run log records of the launch."""
 
 import contextlib
 import os
@@ -20,12 +19,11 @@ from .cli import (
     launcher_world_size,
     local_world_size,
 )
-from .errors import UserError, group_not_formed, run_reporting_failures
+from .errors import group_not_formed, run_reporting_failures
 
 
 def rendezvous(args, device: torch.device) -> dict:
-    """init_process_group's meeting point: torchrun's environment, the store this node's launcher holds, or node 0's
-    address and port. NCCL connects at once, to this rank's GPU."""
+    """Where init_process_group meets: torchrun's environment, the launcher's store, or node 0's address and port."""
     if launched_by_torchrun():
         meet = dict(init_method="env://")
     elif args.launcher_store:
@@ -38,38 +36,29 @@ def rendezvous(args, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def forming_group(rank, world_size: int | None, args):
-    """Around init_process_group (raw_ddp.py) or Accelerator() (accel_train.py): not every process joining is one
-    UserError naming the address, world size and timeout."""
+    """Around init_process_group or Accelerator(): a group that does not form is one UserError."""
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
         yield
     except dist.DistError as exc:
-        if hasattr(args, "num_nodes"):  # raw_ddp.py
-            where = (
-                f"{os.environ.get('MASTER_ADDR', args.master_addr)}:{os.environ.get('MASTER_PORT', args.master_port)}"
-            )
-            who, hint = (
-                f"rank {rank}: ",
-                "Start every node with the same --num-nodes, --num-gpus, --master-addr and --master-port.",
-            )
-        else:
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            who, hint = "", "Start every node with the same config, --main_process_ip and --main_process_port."
-        raise group_not_formed(who, where, world_size or launcher_world_size(), args.dist_timeout, exc, hint) from None
+        addr, port = (os.environ.get(k, getattr(args, k.lower(), None)) for k in ("MASTER_ADDR", "MASTER_PORT"))
+        who = "" if rank is None else f"rank {rank}: "
+        hint = "Start every node with the same node count, processes per node, address and port."
+        size = world_size or launcher_world_size()
+        raise group_not_formed(who, f"{addr}:{port}", size, args.dist_timeout, exc, hint) from None
 
 
 def report_failures(train, local_rank: int, args, recipe) -> None:
-    """train(local_rank, args, recipe), any failure said once by the rank where it happened, and its exit status."""
+    """train(...), any failure said once by its rank, with an exit status."""
     rank = os.environ.get("RANK") or getattr(args, "node_id", 0) * getattr(args, "num_gpus", 1) + local_rank
     lost = (dist.DistBackendError, dist.DistNetworkError)
     run_reporting_failures(lambda: train(local_rank, args, recipe), rank, lost)
 
 
 class Launcher:
-    """raw_ddp.py's launching process. On one node with no --master-port it holds the rendezvous store on a port the
-    system picks (nothing can take it first, as torchrun's agent does); a SIGUSR1 or SIGTERM to it goes on to each
-    live rank as SIGUSR1 (checkpoint and stop); wait() exits as the ranks did."""
+    """raw_ddp.py's launching process: with one node and no port it holds the rendezvous store on a free port, as
+    torchrun's agent does; SIGUSR1 or SIGTERM goes on to each rank as SIGUSR1; wait() exits as the ranks did."""
 
     def __init__(self, args):
         self.args, self.processes = args, []
@@ -123,8 +112,7 @@ def launch_fields(args, run) -> dict:
 
 
 def check_accelerate_launch(accelerator, args, recipe) -> None:
-    """accel_train.py, once the group formed: every process the launch started joined it (else each would train
-    alone); on the CPU the node's cores shared and the warnings said; the launch's precision note."""
+    """accel_train.py: every process the launch started joined (else each trains alone); CPU threads; warnings."""
     import accelerate
     from accelerate.utils import parse_flag_from_env
 
@@ -143,7 +131,5 @@ def check_accelerate_launch(accelerator, args, recipe) -> None:
             accelerator.print(CPU_FALLBACK_WARNING, file=sys.stderr)
         if warning := slow_bf16_warning(device.type, recipe.precision):
             accelerator.print(warning, file=sys.stderr)
-        if recipe.sync_bn:
-            raise UserError("sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation")
     if args.precision_note:
         accelerator.print(f"note: {args.precision_note}", flush=True)
