@@ -11,8 +11,6 @@ from .pipeline import recalibration_batches
 
 
 def warmed_up_decay(decay: float, num_updates):
-    if isinstance(num_updates, torch.Tensor):
-        return torch.clamp((1 + num_updates) / (10 + num_updates), max=decay)
     return min(decay, (1 + num_updates) / (10 + num_updates))
 
 
@@ -20,7 +18,6 @@ class WarmedUpEMA(AveragedModel):
     """AveragedModel without a GPU sync per update: a host int mirrors the device counter `n_averaged`."""
 
     def __init__(self, model: nn.Module, decay: float):
-        # without device= AveragedModel keeps its counter on the CPU
         super().__init__(model, device=next(model.parameters()).device, use_buffers=True)
         self.decay, self.updates = decay, 0
 
@@ -31,39 +28,31 @@ class WarmedUpEMA(AveragedModel):
         if self.updates == 0:
             torch._foreach_copy_(averaged, current)
         else:
-            # in float32 as a device-side decay would be, on the host: no tensor to read back
-            n, one = numpy.float32(self.updates), numpy.float32(1)
-            weight = float(one - min(numpy.float32(self.decay), (one + n) / (numpy.float32(10) + n)))
+            # float32, as on the device, but on the host: no read back
+            weight = float(1 - warmed_up_decay(numpy.float32(self.decay), numpy.float32(self.updates)))
             pairs = list(zip(averaged, current))
-            floats = [pair for pair in pairs if torch.is_floating_point(pair[0])]
-            counters = [pair for pair in pairs if not torch.is_floating_point(pair[0])]
+            floats = [p for p in pairs if p[0].is_floating_point()]
+            counters = [p for p in pairs if not p[0].is_floating_point()]
             torch._foreach_lerp_(*map(list, zip(*floats)), weight)
             torch._foreach_copy_(*map(list, zip(*counters)))  # num_batches_tracked is copied, not averaged
         self.n_averaged += 1
         self.updates += 1
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+    def load_state_dict(self, *args, **kwargs):
+        result = super().load_state_dict(*args, **kwargs)
         self.updates = int(self.n_averaged.item())
         return result
 
 
-def build_ema(model: nn.Module, decay: float) -> WarmedUpEMA:
-    return WarmedUpEMA(model, decay)
-
-
-def evaluated_network(eval_model: nn.Module) -> nn.Module:
-    """The network inside an EMA, or the model: what is evaluated and saved."""
-    return eval_model.module if isinstance(eval_model, AveragedModel) else eval_model
+build_ema = WarmedUpEMA
 
 
 @torch.no_grad()
-def recalibrate_bn(eval_model: nn.Module, batches: list, autocast: dict, average) -> None:
-    """Re-estimate the evaluated network's BatchNorm statistics on `batches`, averaged over ranks.
-    fork_rng: update_bn runs Dropout, which must not consume the training's random stream."""
+def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average) -> None:
+    """BatchNorm statistics re-estimated, then average()d over ranks; fork_rng: update_bn's Dropout must not draw
+    from the training's stream."""
     if not batches:
         return
-    network = evaluated_network(eval_model)
     device = next(network.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.autocast(**autocast):
         update_bn(batches, network)
@@ -73,17 +62,14 @@ def recalibrate_bn(eval_model: nn.Module, batches: list, autocast: dict, average
             average(module.running_var)
 
 
-def recalibrated(eval_model: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
-    """A copy of the evaluated network whose BatchNorm statistics are re-estimated in this one process as a
-    `world_size`-process run of `recipe` does it (its bn_recalibration, batch size, seed and layout): each rank
-    on its share (recalibration_batches), then the mean over the ranks (the trainers' all-reduce). On the CPU."""
-    network = evaluated_network(eval_model)
+def recalibrated(network: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
+    """A copy recalibrated on the CPU as a `world_size`-process run of `recipe` would."""
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     shares = []
     for rank in range(world_size):
         share = copy.deepcopy(network)
         recalibrate_bn(
-            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda stat: None
+            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda _: None
         )
         shares.append(dict(share.named_buffers()))
     result = copy.deepcopy(network)

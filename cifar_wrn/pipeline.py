@@ -1,4 +1,4 @@
-"""The on-device pipeline: the whole uint8 dataset on the device, augmented a batch at a time."""
+"""The on-device pipeline: the uint8 dataset on the device, augmented a batch at a time."""
 
 import math
 
@@ -9,56 +9,44 @@ from .data import CIFAR10, NORMALIZATION, DataError, load_split
 
 
 def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
-    """The training and validation sets of --data-dir as the recipe's pipeline serves them; a DataError (the same
-    on every rank) when they cannot be read, or give no step or recalibration batch to each rank."""
+    """A DataError (the same on every rank) where some rank would get no step or recalibration batch."""
     train_data = load_split(args.data_dir, True, args.train_subset)
     val_data = load_split(args.data_dir, False, args.val_subset)
-    images, world_size, batch_size = len(train_data[1]), run.world_size, recipe.batch_size
-    if math.ceil(images / world_size) < batch_size:
+    images, world_size = len(train_data[1]), run.world_size
+    if math.ceil(images / world_size) < recipe.batch_size:
         raise DataError(
             f"{images} training images over {world_size} processes give less than one "
-            f"batch of {batch_size} per process: use more images or a smaller batch"
+            f"batch of {recipe.batch_size} per process: use more images or a smaller batch"
         )
-    if recipe.bn_recalibration and min(recipe.bn_recalibration, images) < world_size:
-        raise DataError(
-            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
-        )
+    _recalibration_images(recipe, images, world_size)
     return make_datasets(train_data, val_data, recipe, run.device, run.rank)
 
 
-def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
-    if recipe.data_pipeline == "device":
-        return (
-            DeviceBatches(
-                *train_data,
-                device,
-                augment=recipe.augment,
-                seed=recipe.seed + rank,
-                channels_last=recipe.channels_last,
-                normalization=recipe.normalization,
-            ),
-            DeviceBatches(
-                *val_data, device, augment=False, channels_last=recipe.channels_last, normalization=recipe.normalization
-            ),
+def _recalibration_images(recipe, images: int, world_size: int) -> int:
+    used = min(recipe.bn_recalibration, images)
+    if recipe.bn_recalibration and used < world_size:
+        raise DataError(
+            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
         )
-    return (
-        CIFAR10(
-            *train_data,
-            augment=recipe.augment,
-            augmentation=recipe.augmentation,
-            normalization=recipe.normalization,
-        ),
-        CIFAR10(*val_data, augment=False, normalization=recipe.normalization),
-    )
+    return used
+
+
+def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
+    common = dict(normalization=recipe.normalization)
+    if recipe.data_pipeline == "device":
+        common.update(device=device, channels_last=recipe.channels_last)
+        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + rank, **common)
+        return train, DeviceBatches(*val_data, augment=False, **common)
+    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
+    return train, CIFAR10(*val_data, augment=False, **common)
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop (`pad` pixels of zeros around) and flip of a whole uint8 batch at once."""
+    """Random crop (zero-padded by `pad`) and flip of a whole uint8 batch at once."""
     n, c, h, w = images.shape
     device = images.device
-    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
-    dx = torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator)
+    padded = torch.nn.functional.pad(images, (pad,) * 4)
+    dy, dx = (torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator) for _ in range(2))
     rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
     cols = (dx + torch.arange(w, device=device))[:, None, None, :].expand(n, c, h, w)
     crops = padded.gather(2, rows).gather(3, cols)
@@ -67,14 +55,10 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
 
 
 def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
-    """This rank's unaugmented bn_recalibration batches; every rank gets the same count, as sync_bn needs."""
-    images, batch_size = min(recipe.bn_recalibration, len(train_set)), recipe.batch_size
-    if recipe.bn_recalibration == 0:
+    """This rank's unaugmented bn_recalibration batches, as many as every rank's (sync_bn)."""
+    images = _recalibration_images(recipe, len(train_set), world_size)
+    if not images:
         return []
-    if images < world_size:
-        raise DataError(
-            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
-        )
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
     per_rank = images // world_size
     mine = order[:images][rank::world_size][:per_rank]
@@ -86,12 +70,12 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
         channels_last=recipe.channels_last,
         normalization=recipe.normalization,
     )
-    size = min(batch_size, per_rank)
+    size = min(recipe.batch_size, per_rank)
     return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
 
 
 class DeviceBatches(Dataset):
-    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch (DataLoader batch_size=None)."""
+    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch."""
 
     def __init__(
         self,
@@ -106,18 +90,13 @@ class DeviceBatches(Dataset):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
         self.augment, self.channels_last = augment, channels_last
-        mean, std = NORMALIZATION[normalization]
-        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.mean, self.std = (
+            torch.tensor(v, device=self.device).view(1, 3, 1, 1) * 255 for v in NORMALIZATION[normalization]
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def __len__(self) -> int:
         return len(self.labels)
-
-    def __getitems__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole batch at once, as a DataLoader with batch_sampler= asks for it."""
-        return self[indices]
 
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices, device=self.device)
@@ -128,3 +107,5 @@ class DeviceBatches(Dataset):
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, self.labels[index]
+
+    __getitems__ = __getitem__  # whole batches: not collated again

@@ -161,7 +161,8 @@ def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did()
 
     def device_counter_update(ema_tensors, model_tensors, num_updates):  # the replaced multi_avg_fn
         if torch.is_floating_point(ema_tensors[0]):
-            weight = 1 - ema_module.warmed_up_decay(0.99, num_updates.to(torch.float32))
+            n = num_updates.to(torch.float32)
+            weight = 1 - torch.clamp((1 + n) / (10 + n), max=0.99)
             torch._foreach_lerp_(ema_tensors, model_tensors, weight)
         else:
             torch._foreach_copy_(ema_tensors, model_tensors)

@@ -23,7 +23,7 @@ from helpers import (
     write_cifar,
 )
 
-from cifar_wrn.checkpoint import load_checkpoint, read_training_state
+from cifar_wrn.checkpoint import ACCEL_KEYS, load_checkpoint, read_training_state
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.data import DataError, load_split
 from cifar_wrn.safe_files import TRAINING_STATE, CheckpointError
@@ -419,7 +419,11 @@ def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
     accelerator = SimpleNamespace(process_index=0)
     fake_random_states(tmp_path / "random_states_0.pkl", cuda=False)
     with pytest.raises(CheckpointError, match="written by a run on cpu, this run is on cuda"):
-        restore_accel(accelerator, tmp_path, {}, "cuda", None, None)  # a checkpoint from before "device" was kept
+        restore_accel(accelerator, tmp_path, {"device": "cpu"}, "cuda", None, None)
+    # a folder from before "device" was kept is refused, not read as if written on this device
+    torch.save({key: None for key in ACCEL_KEYS if key != "device"}, tmp_path / TRAINING_STATE)
+    with pytest.raises(CheckpointError, match=f"{TRAINING_STATE} lacks device: an earlier version wrote it"):
+        read_training_state(tmp_path)
     fake_random_states(tmp_path / "random_states_0.pkl", cuda=True)
     with pytest.raises(CheckpointError, match="written by a run on cuda, this run is on cpu"):
         restore_accel(accelerator, tmp_path, {"device": "cuda"}, "cpu", None, None)
