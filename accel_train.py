@@ -1,18 +1,18 @@
 """The same training as raw_ddp.py through Hugging Face Accelerate, function by function, for comparison.
 
-Where Accelerate replaces a course step, the line says `# A1.<n>` for raw_ddp.py's `# R1.<n>`:
-    A1.1   command line: the launcher's config holds processes and nodes ... parse_args, __main__
-    A1.2   world size and rank: accelerator.num_processes, process_index ... setup
-    A1.3   the process group: Accelerator() joins the launcher's ......... setup (end_training: train_process)
-    A1.4   download once per node: local_main_process_first() ............ build_data
-    A1.5   sharding: accelerator.prepare(DataLoader) ...................... build_data
-    A1.6   a new shuffle every epoch: the prepared loader's set_epoch ...... train_process
-    A1.7   the device: accelerator.device ................................ setup
-    A1.8   DDP: accelerator.prepare(model), accelerator.backward(loss) ... build_model, train_epoch
-    A1.9   accelerator.reduce, gather_for_metrics ......................... epoch_metrics, validate
-    A1.10  only the main process prints .................................. train_process
-    A1.11  the launcher starts one process per GPU ....................... __main__
-Collectives that are not course steps say `# beyond R1: <why>`; they live in cifar_wrn/agreement.py.
+Where Accelerate replaces a course step, `# A1.<n>` stands for raw_ddp.py's `# R1.<n>`:
+    A1.1   processes and nodes: the launcher's config               parse_args
+    A1.2   accelerator.num_processes, process_index                 setup
+    A1.3   Accelerator() joins the launcher's group                 setup; end_training: train_process
+    A1.4   local_main_process_first(): one download per node        build_data
+    A1.5   accelerator.prepare(DataLoader) shards the batches       build_data
+    A1.6   the prepared loader's set_epoch                          train_process
+    A1.7   accelerator.device                                       setup
+    A1.8   accelerator.prepare(model), accelerator.backward(loss)   build_model, train_epoch
+    A1.9   accelerator.reduce, gather_for_metrics                   epoch_metrics, validate
+    A1.10  only the main process prints                             train_process
+    A1.11  the launcher starts one process per GPU                  __main__
+Collectives that are not course steps say `# beyond R1: <why>` (they live in cifar_wrn/agreement.py).
 
     # 1 node x 2 GPUs
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --data-dir data
@@ -99,7 +99,7 @@ def build_data(args, recipe, run: Run) -> Data:
     # A1.4 download: the node's main process first, the others wait for it
     with run.accelerator.local_main_process_first():  # A1.4
         fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # A1.4
-    # beyond R1: every rank's load problem is all-gathered, so all stop together (one rank alone would hang)
+    # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
     train_set, val_set = together(run.local_rank == 0, load_datasets, args, recipe, run, note=fetched)
     if recipe.data_pipeline == "device":  # A1.5 not here: raw_ddp.py's sampler (prepare() would shard again)
         train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)
@@ -142,12 +142,12 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         build_model(args, recipe, run)  # A1.8
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # the warm-up, the run log, the epoch's watch
+        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             watch.start_epoch(progress)
             loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip
             correct = train_epoch(args, recipe, run, loader, progress, watch)
-            # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged over the ranks
+            # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
             progress.cumulative_time += epoch_time
@@ -191,7 +191,7 @@ def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor
         run.scheduler.step()
         if run.ema is not None:
             run.ema.update_parameters(run.raw_model)
-        if watch.step_done(step, loss):  # beyond R1: every few steps an all_reduce of stop and non-finite flags
+        if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
             save_and_stop(args, recipe, run, progress, step, correct, watch.seconds())
     return correct
 
@@ -218,7 +218,7 @@ def epoch_metrics(run: Run, recipe, progress, epoch_time: float, correct) -> dic
 
 def validate(run: Run, recipe) -> tuple[float, float]:
     """Exact validation loss and accuracy over the whole validation set, the same on every rank."""
-    buffers_from_rank_0(run.network)  # beyond R1: a broadcast, so every rank evaluates the same statistics
+    buffers_from_rank_0(run.network)  # beyond R1: broadcast, so every rank evaluates the same statistics
     if run.data.val_mask is None:  # A1.9 gather_for_metrics: every rank's results, the loader's padding dropped
         totals = evaluate_run(run, gather=run.accelerator.gather_for_metrics)  # A1.9
         return exact_ratios(totals, 1, run.data.val_images)

@@ -1,18 +1,18 @@
 """Hand-written PyTorch DDP training of the course WideResNet on CIFAR-10.
 
-The course's DDP steps, each tagged `# R1.<n>` where it happens:
-    R1.1   command line: --num-nodes --node-id --num-gpus ...... parse_args
-    R1.2   world size and global rank .......................... setup
-    R1.3   init_process_group: nccl on GPU, gloo on CPU ........ setup (destroy_process_group: train_process)
-    R1.4   download on one process per node, then a barrier .... build_data
-    R1.5   DistributedSampler: a disjoint shard per rank ....... build_data
-    R1.6   set_epoch: a new shuffle every epoch ................ train_process
-    R1.7   one GPU per process: cuda:<local_rank> .............. setup, build_model
-    R1.8   DistributedDataParallel ............................. build_model, train_epoch
-    R1.9   reduce images/sec, all_reduce(AVG) validation ....... epoch_metrics, validate
-    R1.10  only rank 0 prints .................................. train_process
-    R1.11  torch.multiprocessing.spawn under __main__ .......... __main__
-Collectives that are not course steps say `# beyond R1: <why>`; they live in cifar_wrn/agreement.py.
+The course's DDP steps, each tagged `# R1.<n>` where it happens, and the function that holds it:
+    R1.1   the command line: --num-nodes --node-id --num-gpus       parse_args
+    R1.2   world size and global rank                               setup
+    R1.3   init_process_group: nccl on GPU, gloo on CPU             setup; destroy_process_group: train_process
+    R1.4   download on one process per node, then a barrier         build_data
+    R1.5   DistributedSampler: a disjoint shard per rank            build_data
+    R1.6   set_epoch: a new shuffle every epoch                     train_process
+    R1.7   one GPU per process: cuda:<local_rank>                   setup, build_model
+    R1.8   DistributedDataParallel                                  build_model, train_epoch
+    R1.9   reduce images/sec, all_reduce(AVG) validation            epoch_metrics, validate
+    R1.10  only rank 0 prints                                       train_process
+    R1.11  torch.multiprocessing.spawn under __main__               __main__
+Collectives that are not course steps say `# beyond R1: <why>` (they live in cifar_wrn/agreement.py).
 
     # 1 node x 2 GPUs
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
@@ -65,11 +65,11 @@ from cifar_wrn.watch import start_training
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    # R1.1 command line: how many nodes, which one this is, and how many GPUs (processes) it runs
+    # R1.1 the command line: how many nodes, which one this is, how many GPUs (processes) on it
     p = argparse.ArgumentParser(description="Hand-written DDP training of the course WideResNet on CIFAR-10.")
-    p.add_argument("--num-nodes", type=int, default=1, help="machines taking part (default 1)")  # R1.1
-    p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1 (default 0)")  # R1.1
-    p.add_argument("--num-gpus", type=int, default=1, help="processes on this machine: one per GPU (default 1)")  # R1.1
+    p.add_argument("--num-nodes", type=int, default=1, help="machines taking part")  # R1.1
+    p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1")  # R1.1
+    p.add_argument("--num-gpus", type=int, default=1, help="processes on this machine, one per GPU")  # R1.1
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address ($MASTER_ADDR)")
     p.add_argument("--master-port", type=int, help="node 0's TCP port ($MASTER_PORT)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA, else CPU + warning")
@@ -79,10 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setup(local_rank: int, args, recipe) -> Run:
-    # R1.2 world size and global rank: node 0 holds ranks 0 .. num_gpus-1, node 1 the next num_gpus, ...
+    # R1.2 world size and global rank: node 0 holds ranks 0 .. num_gpus-1, node 1 the next ones, ...
     world_size = args.num_nodes * args.num_gpus  # R1.2
     rank = args.node_id * args.num_gpus + local_rank  # R1.2
-    # R1.7 cuda:<local_rank>: each process drives its own GPU, chosen before any CUDA work
+    # R1.7 cuda:<local_rank>: each process its own GPU, set before any CUDA work
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)  # R1.7
         device, backend = torch.device(f"cuda:{local_rank}"), "nccl"  # R1.7
@@ -91,7 +91,7 @@ def setup(local_rank: int, args, recipe) -> Run:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))  # the node's cores, shared
     # R1.3 init_process_group: every rank meets at node 0's address and port
     timeout = timedelta(seconds=args.dist_timeout)
-    with forming_group(rank, world_size, args):  # a group that does not form is one clear error
+    with forming_group(rank, world_size, args):  # one clear error if not every process joins
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous(args, device)
         )  # R1.3
@@ -100,12 +100,12 @@ def setup(local_rank: int, args, recipe) -> Run:
 
 # ==== data
 def build_data(args, recipe, run: Run) -> Data:
-    # R1.4 download: one process per node fetches CIFAR-10, the others wait at the barrier until it is there
+    # R1.4 one process per node downloads CIFAR-10; the others wait at the barrier
     fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # R1.4
     dist.barrier()  # R1.4
-    # beyond R1: every rank's load problem is all-gathered, so all stop together (one rank alone would hang)
+    # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
     train_set, val_set = together(run.local_rank == 0, load_datasets, args, recipe, run, note=fetched)
-    # R1.5 DistributedSampler: each rank gets a disjoint 1/world_size of the images, padded to the same length
+    # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images, padded to equal length
     train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)  # R1.5
     val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)  # R1.5
     train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))  # a resume skips
@@ -123,11 +123,11 @@ def build_model(args, recipe, run: Run) -> None:
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)  # R1.7
-    # R1.8 DistributedDataParallel: each backward all-reduces the gradients, so every rank takes the same step
+    # R1.8 DistributedDataParallel: each backward all-reduces the gradients: every rank takes the same step
     device_ids = [run.local_rank] if run.device.type == "cuda" else None  # R1.7
     ddp_options = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
     run.model = DDP(run.raw_model, device_ids=device_ids, **ddp_options)  # R1.8
-    if recipe.grad_compression == "bf16":  # recipe key grad_compression: the gradients all-reduced in bf16
+    if recipe.grad_compression == "bf16":  # recipe key grad_compression: all-reduce in bf16
         run.model.register_comm_hook(None, bf16_compress_hook)
     run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run, recipe)
     if recipe.compile:
@@ -143,13 +143,13 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         build_model(args, recipe, run)  # R1.8
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # the warm-up, the run log, the epoch's watch
+        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped
             watch.start_epoch(progress)
             correct = train_epoch(args, recipe, run, run.data.train_loader, progress, watch)
-            # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged over the ranks
+            # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
             progress.cumulative_time += epoch_time
@@ -168,7 +168,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             torch.save(run.network.state_dict(), args.save)
         watch.close()
     finally:
-        run = watch = None  # DDP sits in a reference cycle holding the group: collected now, its threads end first
+        run = watch = None  # DDP's reference cycle holds the group: collected first, its threads end
         gc.collect()
         dist.destroy_process_group()  # R1.3
 
@@ -193,14 +193,14 @@ def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor
         run.scheduler.step()
         if run.ema is not None:
             run.ema.update_parameters(run.raw_model)
-        if watch.step_done(step, loss):  # beyond R1: every few steps an all_reduce of stop and non-finite flags
+        if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
             save_and_stop(args, recipe, run, progress, step, correct, watch.seconds())
     return correct
 
 
 def epoch_metrics(run: Run, recipe, progress, epoch_time: float, correct) -> dict:
     """The numbers of the course's epoch line: the same on every rank, but Images/sec (rank 0's)."""
-    # R1.9 images/sec: each rank's rate, summed on rank 0 (dist.reduce): the throughputs add up
+    # R1.9 images/sec: the ranks' rates add up (dist.reduce SUM to rank 0)
     rate = run.data.steps_per_epoch * recipe.batch_size / epoch_time
     images_per_sec = torch.tensor([rate], dtype=torch.float64, device=run.device)
     dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9
@@ -220,9 +220,9 @@ def epoch_metrics(run: Run, recipe, progress, epoch_time: float, correct) -> dic
 
 def validate(run: Run, recipe) -> tuple[float, float]:
     """Exact validation loss and accuracy over the whole validation set, the same on every rank."""
-    buffers_from_rank_0(run.network)  # beyond R1: a broadcast, so every rank evaluates the same statistics
+    buffers_from_rank_0(run.network)  # beyond R1: broadcast, so every rank evaluates the same statistics
     totals = evaluate_run(run)  # this rank's (loss sum, correct, count) over its real images
-    # R1.9 all_reduce(AVG): the mean over the ranks of each rank's sums, then the exact ratios
+    # R1.9 all_reduce(AVG) of each rank's sums, then the exact ratios
     average_over_ranks(totals)  # R1.9
     return exact_ratios(totals, run.world_size, run.data.val_images)
 
@@ -251,7 +251,7 @@ if __name__ == "__main__":
     if args.torchrun_local_rank is not None:  # torchrun started this process: it is one rank
         run_process(args.torchrun_local_rank, args, recipe)
         sys.exit(0)
-    launcher = Launcher(args)  # holds the rendezvous (one node, no port); passes stop signals on to the ranks
-    # R1.11 torch.multiprocessing.spawn: one process per GPU on this node, each running run_process(local_rank)
+    launcher = Launcher(args)  # holds the rendezvous (one node, no port); passes stop signals on
+    # R1.11 torch.multiprocessing.spawn: one process per GPU, each runs run_process(local_rank, ...)
     context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
     launcher.wait(context)  # exits as the ranks did
