@@ -100,7 +100,7 @@ def build_data(args, recipe, run: Run) -> Data:
     with run.accelerator.local_main_process_first():  # A1.4
         fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # A1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(run.local_rank == 0, load_datasets, args, recipe, run, note=fetched)
+    train_set, val_set = together(run, load_datasets, args, recipe, run, note=fetched)
     if recipe.data_pipeline == "device":  # A1.5 not here: raw_ddp.py's sampler (prepare() would shard again)
         train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)
         val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)

@@ -104,7 +104,7 @@ def build_data(args, recipe, run: Run) -> Data:
     fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # R1.4
     dist.barrier()  # R1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(run.local_rank == 0, load_datasets, args, recipe, run, note=fetched)
+    train_set, val_set = together(run, load_datasets, args, recipe, run, note=fetched)
     # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images, padded to equal length
     train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)  # R1.5
     val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)  # R1.5

@@ -2,6 +2,7 @@
 one rank stops all with one message instead of leaving the others waiting. The course's own collectives stay in
 raw_ddp.py. Works on the default group (raw_ddp.py's or Accelerate's); without one, as one process."""
 
+import itertools
 import os
 
 import torch
@@ -41,16 +42,18 @@ def all_gather(obj) -> list:
     return out
 
 
-def together(shown: bool, action, *args, note: str | None = None):
-    """action(*args); a UserError on any rank is the same AgreedError on all (said where `shown`, with `note`)."""
+def together(run, action, *args, note: str | None = None):
+    """action(*args); a UserError on any rank is the same AgreedError on all, naming the node, said once a node."""
     result, problem = None, None
     try:
         result = action(*args)
     except UserError as exc:
         problem = str(exc)
-    agreed = agreed_problem(all_gather(problem))
+    seen = all_gather((run.local_rank, problem))
+    nodes = itertools.accumulate(local_rank == 0 for local_rank, _ in seen)  # each node's ranks start at local 0
+    agreed = agreed_problem([problem and f"node {node - 1}: {problem}" for node, (_, problem) in zip(nodes, seen)])
     if agreed:
-        raise AgreedError(agreed, shown, note)
+        raise AgreedError(agreed, run.local_rank == 0, note)
     return result
 
 

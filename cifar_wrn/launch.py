@@ -131,5 +131,3 @@ def check_accelerate_launch(accelerator, args, recipe) -> None:
             accelerator.print(CPU_FALLBACK_WARNING, file=sys.stderr)
         if warning := slow_bf16_warning(device.type, recipe.precision):
             accelerator.print(warning, file=sys.stderr)
-    if args.precision_note:
-        accelerator.print(f"note: {args.precision_note}", flush=True)

@@ -17,6 +17,8 @@ def start_training(args, recipe, run, progress: Progress) -> "Watch":
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
+    if getattr(args, "precision_note", None) and run.is_main:  # accel_train.py: the launch's bf16 over the recipe's
+        print(f"note: {args.precision_note}", flush=True)
     return Watch(args, run, log)
 
 

@@ -188,22 +188,26 @@ def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did()
     assert all(torch.equal(a, b) for a, b in zip(ema.state_dict().values(), resumed.state_dict().values()))
 
 
-def record_evaluation_broadcasts(monkeypatch, entry_point, owner, name):
-    """Wrap owner.<name> (the broadcast the entry point calls) and entry_point.build_ema (to find the EMA)."""
-    calls, emas = [], []
-    original_broadcast, original_build = getattr(owner, name), entry_point.build_ema
+def record_evaluation_broadcasts(monkeypatch):
+    """Record what cifar_wrn.agreement broadcasts (as a group of several would: one process broadcasts nothing)
+    and the EMA built (cifar_wrn.ema.build_ema, which cifar_wrn.optim calls)."""
+    from cifar_wrn import agreement, watch
 
-    def broadcast(tensors, *args, **kwargs):
-        calls.extend(tensors if isinstance(tensors, (list, tuple)) else [tensors])
-        return original_broadcast(tensors, *args, **kwargs)
+    calls, emas = [], []
+    original_broadcast, original_build = agreement.dist.broadcast, ema_module.build_ema
+
+    def broadcast(tensor, *args, **kwargs):
+        calls.append(tensor)
+        return original_broadcast(tensor, *args, **kwargs)
 
     def build(*args, **kwargs):
         emas.append(original_build(*args, **kwargs))
         return emas[-1]
 
-    monkeypatch.setattr(owner, name, broadcast)
-    monkeypatch.setattr(entry_point, "build_ema", build)
-    monkeypatch.setattr(entry_point, "install_stop_handlers", lambda: None)  # keep pytest's own signal handlers
+    monkeypatch.setattr(agreement, "_grouped", lambda: True)
+    monkeypatch.setattr(agreement.dist, "broadcast", broadcast)
+    monkeypatch.setattr(ema_module, "build_ema", build)
+    monkeypatch.setattr(watch, "install_stop_handlers", lambda: None)  # keep pytest's own signal handlers
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # and its thread count
     return calls, emas
 
@@ -219,33 +223,30 @@ def check_only_network_buffers(calls, emas):
 def test_ema_run_broadcasts_only_the_network_buffers_raw(cifar_dir, monkeypatch):
     """Before evaluation rank 0's BatchNorm statistics are broadcast. With an EMA, AveragedModel.buffers() also
     holds its update counter: broadcasting it is useless, and on GPUs (a CPU tensor through NCCL) a crash."""
-    calls, emas = record_evaluation_broadcasts(monkeypatch, raw_ddp, raw_ddp.dist, "broadcast")
+    calls, emas = record_evaluation_broadcasts(monkeypatch)
     # --master-port: run in-process, without the launcher that would otherwise host the rendezvous on a port of
     # its own (raw_ddp.py's __main__), so rank 0 binds this one itself
-    args, recipe = resolve_raw_launch(
-        raw_ddp.parse_args(
-            [
-                str(f)
-                for f in raw_flags(
-                    cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port()
-                )
-            ]
-        )
-    )
+    flags = raw_flags(cifar_dir, "--num-gpus", 1, "--epochs", 1, "--set", "ema_decay=0.9", "--master-port", free_port())
+    args, recipe = resolve_raw_launch(raw_ddp.parse_args([str(f) for f in flags]))
     raw_ddp.train_process(0, args, recipe)
     check_only_network_buffers(calls, emas)
 
 
 @pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_ema_run_broadcasts_only_the_network_buffers_accel(cifar_dir, monkeypatch):
+    """accel_train.py passes the same network (one process forms no group, so the call itself is recorded)."""
     from accelerate.state import AcceleratorState
 
-    calls, emas = record_evaluation_broadcasts(monkeypatch, accel_train, accel_train, "broadcast")
+    from cifar_wrn import agreement
+
+    calls, emas = record_evaluation_broadcasts(monkeypatch)
+    monkeypatch.setattr(agreement, "_grouped", lambda: False)
+    monkeypatch.setattr(accel_train, "buffers_from_rank_0", lambda network: calls.extend(network.buffers()))
     args, recipe = resolve_accel_launch(
         accel_train.parse_args([str(f) for f in reliability_flags(cifar_dir, "--epochs", 1, "--set", "ema_decay=0.9")])
     )
     try:
-        accel_train.train_process(args, recipe)
+        accel_train.train_process(0, args, recipe)
     finally:
         AcceleratorState._reset_state(True)  # Accelerate's state is process-wide
     check_only_network_buffers(calls, emas)

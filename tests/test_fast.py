@@ -371,7 +371,7 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
 
     source = (REPO / trainer).read_text().splitlines()
     first = next(n for n, line in enumerate(source, 1) if line.lstrip().startswith("for step, (images, labels) in"))
-    last = next(n for n, line in enumerate(source, 1) if n > first and line.strip() == "bar.close()")
+    last = next(n for n, line in enumerate(source, 1) if n > first and line.strip() == "return correct")
     env = accel_env() if trainer == "accel_train.py" else cpu_env()
     env |= {
         "PYTHONPATH": pythonpath_with(REPO / "tests" / "host_reads", REPO, env=env),
