@@ -6,7 +6,7 @@ import torch
 
 from .errors import agreed_problem
 from .model import ARCHITECTURE
-from .recipe import RETIRED, Recipe, as_dict
+from .recipe import Recipe, as_dict
 from .safe_files import LATEST, TRAINING_STATE, CheckpointError, _loading, _not_ours, latest_checkpoint, load_data_only
 
 
@@ -216,9 +216,9 @@ def resume_problem(
                 f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
                 f"resume with the same data ({flag}) and batch size"
             )
-    # newer keys: the checkpoint had their defaults; retired keys: gone where they were off
+    # keys newer than the checkpoint had their defaults; a key this version lacks is a difference
     defaults = as_dict(Recipe())
-    saved = {k: v for k, v in checkpoint["recipe"].items() if k not in RETIRED or RETIRED[k] != v}
+    saved = checkpoint["recipe"]
     old = {**{k: defaults[k] for k in recipe if k in defaults}, **saved}
     allowed = RESUMABLE_CHANGES - ({"epochs"} if old["lr_schedule"] != "constant" else set())
     changed = sorted(k for k in old if k not in allowed and old[k] != recipe.get(k))

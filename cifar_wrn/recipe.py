@@ -63,23 +63,6 @@ class Recipe:
     bn_recalibration: int = 0  # images to re-estimate BN stats before eval (0 = off)
 
 
-# Keys that left the code (docs/optimizations.md, "Where the code went"), at the values that train as without
-# them: older logs and checkpoints carry them.
-RETIRED = {
-    "anneal_epochs": 0.0,
-    "residual_bn_init": 1.0,
-    "crop_padding": 4,
-    "tta_translate": 0,
-    "muon": False,
-    "muon_lr": 0.24,
-    "muon_momentum": 0.6,
-    "bn_bias_lr_scale": 1.0,
-    "freeze_bn_scale": False,
-    "lookahead_steps": 0,
-    "lookahead_alpha": 0.5,
-    "alternating_flip": False,
-}
-
 CHOICES = dict(
     lr_scaling=("linear", "none"),
     lr_schedule=("constant", "warmup_linear"),

@@ -102,11 +102,29 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Keys that left the code (docs/optimizations.md, "Where the code went"), at the values that train as without
+# them: older logs carry them.
+RETIRED = {
+    "anneal_epochs": 0.0,
+    "residual_bn_init": 1.0,
+    "crop_padding": 4,
+    "tta_translate": 0,
+    "muon": False,
+    "muon_lr": 0.24,
+    "muon_momentum": 0.6,
+    "bn_bias_lr_scale": 1.0,
+    "freeze_bn_scale": False,
+    "lookahead_steps": 0,
+    "lookahead_alpha": 0.5,
+    "alternating_flip": False,
+}
+
+
 def full_recipe(recipe: dict) -> dict:
     """A header's recipe with the keys it lacks at their defaults (a key newer than the trainer that wrote the
     log had its default then: new keys default to the old behaviour), less the keys that left the code where
     they hold the value that left training unchanged."""
-    from ..recipe import RETIRED, Recipe, as_dict  # torch, a dependency of the project anyway
+    from ..recipe import Recipe, as_dict  # torch, a dependency of the project anyway
 
     kept = {key: value for key, value in recipe.items() if key not in RETIRED or RETIRED[key] != value}
     return {**as_dict(Recipe()), **kept}
