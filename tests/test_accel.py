@@ -523,7 +523,7 @@ def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     assert not EPOCH_LINE.search(result.stdout)
 
 
-# ----------------------------------------------------------------------------- every recipe key (issue 5)
+# ----------------------------------------------------------------------------- every recipe key
 
 
 def test_sync_bn_on_cpu_is_refused(monkeypatch):
@@ -634,7 +634,7 @@ def test_grad_clip_norm_bounds_the_step(one_step_runs):
     )
 
 
-# ----------------------------------------------------------------------------- checkpoints, preemption (issue 7)
+# ----------------------------------------------------------------------------- checkpoints, preemption
 
 
 def reliability_flags(data_dir, *extra):
@@ -745,7 +745,7 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
     assert not EPOCH_LINE.search(result.stdout)
 
 
-# ----------------------------------------------------------------------------- --profile, --trace (issue 6)
+# ----------------------------------------------------------------------------- --profile, --trace
 
 
 @pytest.mark.slow

@@ -155,7 +155,7 @@ def test_ema_warms_up_and_lives_on_the_model_device():
 
 
 def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did():
-    """WarmedUpEMA keeps its counter on the host; the AveragedModel it replaced (issue 25) read it on the
+    """WarmedUpEMA keeps its counter on the host; the AveragedModel it replaced read it on the
     device (`multi_avg_fn` below is that version's). Ten updates of moving weights and BatchNorm statistics:
     every tensor bit for bit equal, and a state_dict round trip carries the counter on."""
 

@@ -1,4 +1,4 @@
-"""The safety net (recipe key extra_epochs, issue 25): when the epoch budget ends with the target still
+"""The safety net (recipe key extra_epochs): when the epoch budget ends with the target still
 reachable within the extra epochs, both trainers train on at the budget's last epoch's learning rates; the
 epoch lines and the JSON log say so. A checkpoint taken inside an extra epoch resumes exactly: test_reliability.py's
 test_a_stop_signal_checkpoints_and_the_run_resumes_exactly."""

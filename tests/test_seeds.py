@@ -1,4 +1,4 @@
-"""Seeds as a measurement (issue 25): bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
+"""Seeds as a measurement: bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
 bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three). Each runs as a user runs it,
 `python bench/NAME.py` (the tests import nothing from bench/)."""
 

@@ -1,4 +1,4 @@
-"""Files from shared storage must not run code, and the last bad inputs (issue 15).
+"""Files from shared storage must not run code, and the last bad inputs.
 
 A crafted file here is one whose unpickling would call open(marker, "w"), as it could call anything: loading
 must refuse it with a message naming the file, and the marker must not exist afterwards.
