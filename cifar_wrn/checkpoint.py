@@ -15,26 +15,21 @@ def checkpoint_path(directory) -> Path:
 
 
 # Recipe keys a resume may change: they do not alter what was trained (`epochs` only with a constant LR).
-RESUMABLE_CHANGES = {
-    "epochs",
-    "target_accuracy",
-    "patience",
-    "eval_batch_size",
-    "num_workers",
-    "extra_epochs",
-    "startup_steps",
-}
+RESUMABLE_CHANGES = set(
+    "epochs target_accuracy patience eval_batch_size num_workers extra_epochs startup_steps".split()
+)
 
 
 KEYS = (
     "epoch step epoch_time_so_far cumulative_time history streak finished recipe world_size model_width train_correct "
     "train_seen ema"
 ).split()
+RAW_PARTS = {"model": "raw_model", "optimizer": "optimizer", "scheduler": "scheduler"}  # checkpoint key: run's
 RAW_KEYS, ACCEL_KEYS = KEYS + ["model", "optimizer", "scheduler", "rng"], KEYS + ["pipeline", "device"]
 
 
 NO_CHECKPOINT = (
-    "start without --resume, or use --auto-resume to start fresh when there is none). Every node must see the folder."
+    "start without --resume, or use --auto-resume to start fresh when there is none). Every node must see it."
 )
 
 
@@ -55,8 +50,8 @@ def read_training_state(folder) -> dict:
     folder = Path(folder)
     if not (folder / TRAINING_STATE).is_file() and (folder / "custom_checkpoint_0.pkl").is_file():
         raise CheckpointError(
-            f"{folder} was written by an earlier accel_train.py (custom_checkpoint_0.pkl), which this version does "
-            f"not read: start afresh in an empty --checkpoint-dir"
+            f"{folder} was written by an earlier accel_train.py (custom_checkpoint_0.pkl): start afresh in an empty "
+            "--checkpoint-dir"
         )
     return load_data_only(folder / TRAINING_STATE, ACCEL_KEYS)
 
@@ -64,8 +59,8 @@ def read_training_state(folder) -> dict:
 def _device_problem(saved_on: str, running_on: str) -> None:
     if saved_on != running_on:
         raise CheckpointError(
-            f"it was written by a run on {saved_on}, this run is on {running_on}: its random states, so an exact "
-            f"resume, do not carry over (resume on {saved_on}, or start afresh in another folder)"
+            f"it was written by a run on {saved_on}, this run is on {running_on}: its random states do not carry "
+            f"over (resume on {saved_on}, or start afresh in another folder)"
         )
 
 
@@ -84,17 +79,8 @@ def _state(run, progress, finished: bool, recipe: dict, model_width: int, **more
 
 
 def raw_state(run, progress, finished: bool, every_rng: list, recipe: dict, model_width: int) -> dict:
-    return _state(
-        run,
-        progress,
-        finished,
-        recipe,
-        model_width,
-        rng=every_rng,
-        model=run.raw_model.state_dict(),
-        optimizer=run.optimizer.state_dict(),
-        scheduler=run.scheduler.state_dict(),
-    )
+    parts = {key: getattr(run, name).state_dict() for key, name in RAW_PARTS.items()}
+    return _state(run, progress, finished, recipe, model_width, rng=every_rng, **parts)
 
 
 def accel_state(run, progress, finished: bool, pipeline: list, recipe: dict, model_width: int) -> dict:
@@ -113,9 +99,8 @@ def restore_raw(checkpoint: dict, run) -> None:
     with _loading("its part of the checkpoint"):
         rng, device = checkpoint["rng"][run.rank], run.device
         _device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
-        run.raw_model.load_state_dict(checkpoint["model"])
-        run.optimizer.load_state_dict(checkpoint["optimizer"])
-        run.scheduler.load_state_dict(checkpoint["scheduler"])
+        for key, name in RAW_PARTS.items():
+            getattr(run, name).load_state_dict(checkpoint[key])
         if run.ema is not None:
             run.ema.load_state_dict(checkpoint["ema"])
         torch.set_rng_state(rng["torch"])
@@ -126,7 +111,7 @@ def restore_raw(checkpoint: dict, run) -> None:
 
 
 def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator) -> None:
-    """The random-state file is checked first: load_state would only log a bad one and resume inexactly."""
+    """The random-state file is checked first: load_state would only log a bad one."""
     from accelerate.utils import load as accelerate_load  # allows numpy's RNG types
 
     folder = Path(folder)
@@ -167,11 +152,9 @@ def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict |
 
 
 def what_was_seen(state: dict | None) -> str:
-    return (
-        "no checkpoint"
-        if state is None
-        else f"epoch {state['epoch']}, step {state['step']} (Cumulative Time {state['cumulative_time']!r} s)"
-    )
+    if state is None:
+        return "no checkpoint"
+    return f"epoch {state['epoch']}, step {state['step']} (Cumulative Time {state['cumulative_time']!r} s)"
 
 
 def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
@@ -181,7 +164,7 @@ def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
     listed = "; ".join(f"rank {rank} sees {view}" for rank, view in enumerate(views))
     return (
         f"the ranks do not see the same checkpoint: {listed}. Every node must see the same --checkpoint-dir "
-        f"(a shared folder); resume when they do, or start afresh in an empty folder"
+        "(a shared folder)"
     )
 
 
@@ -195,17 +178,12 @@ def resume_problem(
 ) -> str | None:
     """Why this checkpoint cannot continue as this run; `architecture` None: the earlier network."""
     if checkpoint.get("architecture") != architecture:
-        earlier = "an earlier, non-course WideResNet"
-        return (
-            f"the checkpoint holds {checkpoint.get('architecture') or earlier}; this run trains the "
-            f"{architecture or earlier}: the model changed, so it cannot continue that run; start a new one in an "
-            f"empty --checkpoint-dir"
-        )
+        held = checkpoint.get("architecture") or "an earlier, non-course WideResNet"
+        return f"the model changed (the checkpoint holds {held}): start a new run in an empty --checkpoint-dir"
     if checkpoint["world_size"] != world_size:
         return (
             f"the checkpoint was written by {checkpoint['world_size']} processes, this run has {world_size}: "
-            f"resume with the same --num-nodes x --num-gpus (each rank's random state and data shard "
-            f"depend on it)"
+            "resume with the same --num-nodes x --num-gpus"
         )
     if checkpoint["model_width"] != model_width:
         return f"the checkpoint holds a model of width {checkpoint['model_width']}, this run builds {model_width}"
@@ -214,12 +192,11 @@ def resume_problem(
             flag = {"train_images": "--train-subset", "val_images": "--val-subset"}.get(key, "--batch-size")
             return (
                 f"the checkpoint's run had {key.replace('_', ' ')} = {checkpoint[key]}, this run has {value}: "
-                f"resume with the same data ({flag}) and batch size"
+                f"resume with the same {flag}"
             )
     # keys newer than the checkpoint had their defaults; a key this version lacks is a difference
     defaults = as_dict(Recipe())
-    saved = checkpoint["recipe"]
-    old = {**{k: defaults[k] for k in recipe if k in defaults}, **saved}
+    old = {**{k: defaults[k] for k in recipe if k in defaults}, **checkpoint["recipe"]}
     allowed = RESUMABLE_CHANGES - ({"epochs"} if old["lr_schedule"] != "constant" else set())
     changed = sorted(k for k in old if k not in allowed and old[k] != recipe.get(k))
     if changed:

@@ -69,7 +69,7 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 
 def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
-    """How protocol 0-2 pickles rebuild bytes; any other codec is refused."""
+    """How protocol 0-2 pickles rebuild bytes."""
     if encoding != "latin1":
         raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
@@ -100,8 +100,8 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise DataError(f"{path} is missing. " + how_to_provide(path.parent.parent)) from None
     except RefusedGlobal as exc:
         raise DataError(
-            f"{path} is not a CIFAR-10 batch file: it asks for {exc}, which the official files never contain "
-            f"(nothing in it ran); replace {path.parent} with a copy from a source you trust"
+            f"{path} is not a CIFAR-10 batch file: it asks for {exc} (nothing in it ran); replace {path.parent} "
+            "with a trusted copy"
         ) from None
     except Exception as exc:
         raise DataError(
@@ -127,13 +127,9 @@ def _labels(path: Path, labels) -> torch.Tensor:
     try:
         values = torch.as_tensor(list(labels))
     except (TypeError, ValueError, RuntimeError, OverflowError):
-        values = None
-    if (
-        values is None
-        or values.numel()
-        and (
-            values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
-        )
+        values = torch.zeros(1, 1)
+    if values.numel() and (
+        values.dim() != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool
     ):
         kinds = sorted({type(v).__name__ for v in labels}) if isinstance(labels, (list, tuple)) else []
         found = f"a {type(labels).__name__} of {', '.join(kinds)}" if kinds else type(labels).__name__
@@ -142,7 +138,7 @@ def _labels(path: Path, labels) -> torch.Tensor:
 
 
 def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 [N, 3, 32, 32], int64 [N]) of a split; `subset` keeps the first N."""
+    """`subset` keeps the first N."""
     folder = Path(data_dir) / FOLDER
     if not dataset_present(data_dir):
         raise DataError(how_to_provide(data_dir))
@@ -152,8 +148,7 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     split, flag = ("train", "train") if train else ("validation", "val")
     if subset is None and len(labels) != expected:
         raise DataError(
-            f"{folder}: the {split} split has {len(labels)} images, expected {expected}; "
-            f"the copy is incomplete (or use --{flag}-subset)"
+            f"{folder}: the {split} split has {len(labels)} images, expected {expected} (or use --{flag}-subset)"
         )
     if subset is not None and not 0 < subset <= len(labels):
         raise DataError(
@@ -215,8 +210,7 @@ class CIFAR10(Dataset):
 
 
 class SkipFirst(Sampler):
-    """A BatchSampler less its first `skip` batches; DeviceBatches' indices go to the device once an epoch (once a
-    step: a host wait every step)."""
+    """A BatchSampler less its first `skip` batches; DeviceBatches' indices go to the device once an epoch."""
 
     def __init__(self, batches):
         self.batches, self.skip = batches, 0
@@ -234,7 +228,7 @@ class SkipFirst(Sampler):
 
 
 def ignore_stop_signal(worker_id: int) -> None:
-    """Slurm signals every process of a step; the stop is for the ranks, not DataLoader workers."""
+    """Slurm signals every process of a step; the stop is for the ranks."""
     import signal
 
     for stop in (signal.SIGUSR1, signal.SIGTERM):

@@ -15,7 +15,7 @@ def warmed_up_decay(decay: float, num_updates):
 
 
 class WarmedUpEMA(AveragedModel):
-    """AveragedModel without a GPU sync per update: a host int mirrors the device counter `n_averaged`."""
+    """No GPU sync per update: a host int mirrors `n_averaged`."""
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, device=next(model.parameters()).device, use_buffers=True)
@@ -28,7 +28,7 @@ class WarmedUpEMA(AveragedModel):
         if self.updates == 0:
             torch._foreach_copy_(averaged, current)
         else:
-            # float32, as on the device, but on the host: no read back
+            # float32, as on the device
             weight = float(1 - warmed_up_decay(numpy.float32(self.decay), numpy.float32(self.updates)))
             pairs = list(zip(averaged, current))
             floats = [p for p in pairs if p[0].is_floating_point()]
@@ -49,8 +49,7 @@ build_ema = WarmedUpEMA
 
 @torch.no_grad()
 def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average) -> None:
-    """BatchNorm statistics re-estimated, then average()d over ranks; fork_rng: update_bn's Dropout must not draw
-    from the training's stream."""
+    """fork_rng: update_bn's Dropout must not draw from the training's stream."""
     if not batches:
         return
     device = next(network.parameters()).device
@@ -58,19 +57,17 @@ def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average) -
         update_bn(batches, network)
     for module in network.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            average(module.running_mean)
-            average(module.running_var)
+            average(module.running_mean), average(module.running_var)
 
 
 def recalibrated(network: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
-    """A copy recalibrated on the CPU as a `world_size`-process run of `recipe` would."""
+    """A copy recalibrated on the CPU as a `world_size`-process run would."""
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     shares = []
     for rank in range(world_size):
         share = copy.deepcopy(network)
-        recalibrate_bn(
-            share, recalibration_batches(train_set, recipe, rank, world_size, "cpu"), autocast, lambda _: None
-        )
+        batches = recalibration_batches(train_set, recipe, rank, world_size, "cpu")
+        recalibrate_bn(share, batches, autocast, lambda _: None)
         shares.append(dict(share.named_buffers()))
     result = copy.deepcopy(network)
     for name, buffer in result.named_buffers():

@@ -1,9 +1,6 @@
-"""The course's WideResNet for CIFAR-10, exactly as the course's script writes it (17,117,754 parameters).
+"""The course's WideResNet, as its script writes it: the same seed gives the same weights, its state_dict loads.
 
-The classes, attribute names, creation order and layers are the course's (`cbrblock`, `conv_block`,
-`WideResNet`): the same seed gives the same initial weights and a course state_dict loads. The head is the
-course's `AvgPool2d(7)`: on the 8x8 feature map it averages the top-left 7x7 window. `width` is 160 in the
-course; tests pass a smaller one, never a real run.
+AvgPool2d(7) is the course's head: on the 8x8 map it averages the top-left 7x7 window.
 """
 
 import torch
@@ -11,13 +8,11 @@ from torch import nn
 
 COURSE_WIDTH = 160
 COURSE_PARAMETERS = 17_117_754
-# Written into every checkpoint: one made with another network (an earlier version of this project) is refused.
+# In every checkpoint: one of another network is refused.
 ARCHITECTURE = "course WideResNet: cbrblock, conv_block, AvgPool2d(7)"
 
 
-class cbrblock(nn.Module):  # the course's name
-    """Conv 3x3 -> BatchNorm -> ReLU."""
-
+class cbrblock(nn.Module):
     def __init__(self, input_channels: int, output_channels: int):
         super().__init__()
         self.cbr = nn.Sequential(
@@ -30,9 +25,7 @@ class cbrblock(nn.Module):  # the course's name
         return self.cbr(x)
 
 
-class conv_block(nn.Module):  # the course's name
-    """A residual block: layer1, dropout, layer2, plus the input (through a 1x1 `scale` conv when widths differ)."""
-
+class conv_block(nn.Module):
     def __init__(self, input_channels: int, output_channels: int, scale_input: int):
         super().__init__()
         self.scale_input = scale_input
@@ -55,7 +48,7 @@ class conv_block(nn.Module):  # the course's name
 class WideResNet(nn.Module):
     def __init__(self, num_classes: int = 10, width: int = COURSE_WIDTH):
         super().__init__()
-        n_channels = [3, 16, width, 2 * width, 4 * width]  # the course's nChannels: [3, 16, 160, 320, 640]
+        n_channels = [3, 16, width, 2 * width, 4 * width]
 
         self.input_block = cbrblock(n_channels[0], n_channels[1])
 

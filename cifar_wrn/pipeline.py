@@ -9,14 +9,14 @@ from .data import CIFAR10, NORMALIZATION, DataError, load_split
 
 
 def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
-    """A DataError (the same on every rank) where some rank would get no step or recalibration batch."""
+    """A DataError (the same on every rank) where a rank would get no batch."""
     train_data = load_split(args.data_dir, True, args.train_subset)
     val_data = load_split(args.data_dir, False, args.val_subset)
     images, world_size = len(train_data[1]), run.world_size
     if math.ceil(images / world_size) < recipe.batch_size:
         raise DataError(
-            f"{images} training images over {world_size} processes give less than one "
-            f"batch of {recipe.batch_size} per process: use more images or a smaller batch"
+            f"{images} training images over {world_size} processes give less than one batch of "
+            f"{recipe.batch_size} per process"
         )
     _recalibration_images(recipe, images, world_size)
     return make_datasets(train_data, val_data, recipe, run.device, run.rank)
@@ -26,7 +26,7 @@ def _recalibration_images(recipe, images: int, world_size: int) -> int:
     used = min(recipe.bn_recalibration, images)
     if recipe.bn_recalibration and used < world_size:
         raise DataError(
-            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size} processes)"
+            f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size})"
         )
     return used
 
@@ -42,9 +42,7 @@ def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Data
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop (zero-padded by `pad`) and flip of a whole uint8 batch at once."""
-    n, c, h, w = images.shape
-    device = images.device
+    (n, c, h, w), device = images.shape, images.device
     padded = torch.nn.functional.pad(images, (pad,) * 4)
     dy, dx = (torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator) for _ in range(2))
     rows = (dy + torch.arange(h, device=device))[:, None, :, None].expand(n, c, h, w + 2 * pad)
@@ -63,19 +61,14 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
     per_rank = images // world_size
     mine = order[:images][rank::world_size][:per_rank]
     share = DeviceBatches(
-        train_set.images[mine],
-        train_set.labels[mine],
-        device,
-        augment=False,
-        channels_last=recipe.channels_last,
-        normalization=recipe.normalization,
+        train_set.images[mine], train_set.labels[mine], device, False, 0, recipe.channels_last, recipe.normalization
     )
     size = min(recipe.batch_size, per_rank)
     return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
 
 
 class DeviceBatches(Dataset):
-    """The split as uint8 on `device`; `dataset[indices]` is a normalised batch."""
+    """`dataset[indices]` is a normalised batch."""
 
     def __init__(
         self,

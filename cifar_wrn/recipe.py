@@ -11,7 +11,6 @@ import yaml
 
 from .errors import UserError
 
-# package data, so that an installed package finds them
 RECIPE_DIR = resources.files(__package__) / "recipes"
 
 
@@ -22,45 +21,45 @@ class RecipeError(UserError):
 @dataclass
 class Recipe:
     # --- length and stopping
-    epochs: int = 40  # epoch budget
-    target_accuracy: float = 0.85  # validation accuracy (fraction)
-    patience: int = 2  # consecutive epochs at target to stop
-    extra_epochs: int = 0  # more epochs if the target is still reachable (0 = off)
+    epochs: int = 40
+    target_accuracy: float = 0.85  # validation accuracy
+    patience: int = 2  # epochs in a row at target to stop
+    extra_epochs: int = 0  # more epochs while the target is reachable
     # --- batch and learning rate
     batch_size: int = 32  # images per process per step
-    base_lr: float = 0.01  # lr at reference_batch_size
-    lr_scaling: str = "linear"  # linear (lr x global batch / reference) | none
-    reference_batch_size: int = 32  # global batch at which base_lr was tuned
-    lr_schedule: str = "constant"  # constant | warmup_linear (linear decay to 0)
-    warmup_epochs: float = 0.0  # epochs of warmup
+    base_lr: float = 0.01
+    lr_scaling: str = "linear"  # linear | none
+    reference_batch_size: int = 32  # global batch of base_lr
+    lr_schedule: str = "constant"  # constant | warmup_linear (decays to 0)
+    warmup_epochs: float = 0.0
     # --- optimizer and loss
-    momentum: float = 0.0  # SGD momentum
+    momentum: float = 0.0
     nesterov: bool = False
-    weight_decay: float = 0.0  # L2 on conv/linear weights only
+    weight_decay: float = 0.0  # conv/linear weights only
     label_smoothing: float = 0.0
-    grad_clip_norm: float = 0.0  # max global gradient L2 norm (0 = off)
-    bn_lr_scale: float = 1.0  # lr multiplier for BN weights and biases
+    grad_clip_norm: float = 0.0  # max global gradient norm
+    bn_lr_scale: float = 1.0  # lr multiplier for BN parameters
     # --- numerics and data
-    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 weights)
-    channels_last: bool = False  # NHWC layout
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    channels_last: bool = False
     cudnn_benchmark: bool = False
-    startup_steps: int = 0  # steps on synthetic batches before the clock, all undone after (0 = off)
-    data_pipeline: str = "dataloader"  # dataloader | device (whole dataset on device)
-    augment: bool = True  # augment the training images (as `augmentation` says)
-    augmentation: str = "crop_flip"  # crop_flip (random crop + flip) | course (the course script's transform_train)
-    normalization: str = "cifar"  # cifar (CIFAR-10 mean/std) | course (Normalize 0.5, 0.5)
-    num_workers: int = 4  # DataLoader workers per process
-    eval_batch_size: int = 500  # images per process per validation step
-    seed: int = 0  # augmentation uses seed + rank
-    # --- levers, off by default
-    ema_decay: float = 0.0  # evaluate an EMA of the weights (0 = off)
-    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view
+    startup_steps: int = 0  # synthetic steps before the clock, undone after
+    data_pipeline: str = "dataloader"  # dataloader | device (dataset on device)
+    augment: bool = True
+    augmentation: str = "crop_flip"  # crop_flip | course (its transform_train)
+    normalization: str = "cifar"  # cifar (mean/std) | course (0.5, 0.5)
+    num_workers: int = 4
+    eval_batch_size: int = 500  # per process
+    seed: int = 0  # + rank for augmentation
+    # --- levers, 0 = off
+    ema_decay: float = 0.0  # evaluate an EMA of the weights
+    ddp_bucket_view: bool = False
     ddp_static_graph: bool = False
-    grad_compression: str = "none"  # none | bf16 all-reduce
+    grad_compression: str = "none"  # none | bf16
     sync_bn: bool = False
     compile: bool = False
-    tta_flip: bool = False  # also evaluate flips (changes the metric)
-    bn_recalibration: int = 0  # images to re-estimate BN stats before eval (0 = off)
+    tta_flip: bool = False  # changes the metric
+    bn_recalibration: int = 0  # images to re-estimate BN stats
 
 
 CHOICES = dict(
@@ -76,7 +75,7 @@ FIELDS = {f.name: f for f in fields(Recipe)}
 
 
 class StrictLoader(yaml.SafeLoader):
-    """A key written twice in one mapping is an error (SafeLoader keeps the last)."""
+    """SafeLoader keeps the last of a key written twice."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -100,7 +99,7 @@ def _coerce(key: str, value, source: str):
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
     kind = FIELDS[key].type
     if kind is float and isinstance(value, str):
-        with contextlib.suppress(ValueError):  # YAML 1.1 reads 5e-4 (no dot) and nan (no leading dot) as strings
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 5e-4 and nan as strings
             value = float(value)
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
         raise RecipeError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
@@ -125,9 +124,7 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader) or {}
     except UnicodeDecodeError as exc:
-        raise RecipeError(
-            f"{path}: not a text file (byte {exc.start} is not UTF-8); a recipe is a YAML file of key: value lines"
-        ) from None
+        raise RecipeError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
@@ -136,8 +133,8 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
         raise RecipeError(f"{path}: a recipe is a mapping of key: value lines")
     values = {key: _coerce(key, value, str(path)) for key, value in raw.items()}
     for key, value in (overrides or {}).items():
-        if isinstance(value, str) and key in FIELDS and FIELDS[key].type is not str:  # --set gives strings
-            with contextlib.suppress(yaml.YAMLError):  # not YAML: _coerce refuses the string
+        if isinstance(value, str) and key in FIELDS and FIELDS[key].type is not str:  # from --set
+            with contextlib.suppress(yaml.YAMLError):
                 value = yaml.load(value, Loader=StrictLoader)
         values[key] = _coerce(key, value, "command line")
     recipe = Recipe(**values)
@@ -156,48 +153,32 @@ def parse_set(items: list[str]) -> dict:
 
 
 def check_recipe(r: Recipe) -> None:
-    """Ranges only: _coerce refused the values that are not finite (they pass range checks)."""
+    """Ranges only: _coerce refused the values that are not finite."""
     problems = []
 
     def need(keys, ok, what: str) -> None:
-        problems.extend(f"{key} {what} (got {getattr(r, key)!r})" for key in keys if not ok(getattr(r, key)))
+        problems.extend(f"{k} {what} (got {getattr(r, k)!r})" for k in keys.split() if not ok(getattr(r, k)))
 
-    need(
-        ("epochs", "batch_size", "patience", "reference_batch_size", "eval_batch_size"),
-        lambda v: v >= 1,
-        "must be >= 1",
-    )
-    need(("base_lr", "bn_lr_scale"), lambda v: v > 0, "must be a positive number")
-    need(("target_accuracy",), lambda v: 0 <= v <= 1, "is a fraction between 0 and 1")
-    need(
-        (
-            "weight_decay",
-            "warmup_epochs",
-            "grad_clip_norm",
-            "extra_epochs",
-            "startup_steps",
-            "bn_recalibration",
-            "num_workers",
-        ),
-        lambda v: v >= 0,
-        "must be >= 0",
-    )
-    need(("momentum", "label_smoothing", "ema_decay"), lambda v: 0 <= v < 1, "must be in [0, 1)")
+    need("epochs batch_size patience reference_batch_size eval_batch_size", lambda v: v >= 1, "must be >= 1")
+    need("base_lr bn_lr_scale", lambda v: v > 0, "must be a positive number")
+    need("target_accuracy", lambda v: 0 <= v <= 1, "is a fraction between 0 and 1")
+    zero_up = "weight_decay warmup_epochs grad_clip_norm extra_epochs startup_steps bn_recalibration num_workers"
+    need(zero_up, lambda v: v >= 0, "must be >= 0")
+    need("momentum label_smoothing ema_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
     if r.lr_schedule == "warmup_linear" and r.warmup_epochs > r.epochs:
         problems.append(
             f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
-            f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak, "
-            "and never decay; lower warmup_epochs or raise epochs"
+            f"would still be rising when training ends, at {r.epochs / r.warmup_epochs:.0%} of its peak"
         )
     if r.nesterov and r.momentum == 0:
         problems.append("nesterov needs momentum > 0")
     if r.augment and r.augmentation == "course" and r.data_pipeline == "device":
         problems.append(
-            "augmentation: course (rotation, affine, colour jitter per image) runs in the DataLoader's workers: "
-            "use data_pipeline: dataloader, or augmentation: crop_flip with the device pipeline"
+            "augmentation: course runs in the DataLoader's workers: use data_pipeline: dataloader, or "
+            "augmentation: crop_flip"
         )
     for key, allowed in CHOICES.items():
-        need((key,), allowed.__contains__, f"must be one of {', '.join(allowed)}")
+        need(key, allowed.__contains__, f"must be one of {', '.join(allowed)}")
     if problems:
         raise RecipeError("invalid recipe: " + "; ".join(problems))
 
@@ -218,7 +199,6 @@ def slow_bf16_warning(device_type: str, precision: str) -> str | None:
     if device_type != "cpu" or precision != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return (
-        "warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each training "
-        "step runs many times slower than in fp32; for a CPU run add --set precision=fp32 (a different "
-        "recipe: its numbers are not the shipped recipe's)"
+        "warning: precision bf16 on a CPU without bfloat16 kernels (oneDNN found no AVX-512): each step runs "
+        "many times slower than in fp32; add --set precision=fp32 (a different recipe)"
     )

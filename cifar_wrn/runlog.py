@@ -13,7 +13,6 @@ import torch
 
 
 def git_commit() -> str:
-    """The code's commit, with '-dirty' for changes to tracked files."""
     describe = ["git", "describe", "--always", "--dirty", "--abbrev=64", "--exclude=*"]
     try:
         done = subprocess.run(describe, cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
@@ -41,7 +40,6 @@ def epoch_line(m: dict) -> str:
 
 
 def criterion_met(accuracies: list, target: float, patience: int) -> bool:
-    """The course's stopping rule."""
     return trailing_streak(accuracies, target) >= patience
 
 
@@ -51,15 +49,15 @@ def trailing_streak(accuracies: list, target: float) -> int:
 
 @dataclass
 class Progress:
-    """Where a run stands: what a checkpoint stores besides the weights, under the same keys."""
+    """What a checkpoint stores besides the weights, under the same keys."""
 
     epoch: int = 0  # next to run, 0-based
     step: int = 0  # of that epoch, already done
     epoch_time_so_far: float = 0.0
-    cumulative_time: float = 0.0  # validation excluded
+    cumulative_time: float = 0.0
     history: list = field(default_factory=list)
     streak: int = 0  # consecutive epochs at the target
-    train_correct: int = 0  # this epoch's training images so far, all ranks'
+    train_correct: int = 0  # this epoch's, all ranks'
     train_seen: int = 0
 
     @classmethod
@@ -79,7 +77,7 @@ class Progress:
         return [m["val_accuracy"] for m in self.history]
 
     def end_epoch(self, metrics: dict, recipe) -> bool:
-        """Record an epoch, marking the safety net's in `metrics`; True when the rule holds."""
+        """True when the rule holds."""
         self.history.append(metrics)
         # recounted from every logged accuracy: a resume may have changed target_accuracy or patience
         self.streak = trailing_streak(self.accuracies, recipe.target_accuracy)
@@ -95,16 +93,13 @@ class Progress:
         return done
 
     def safety_net_open(self, recipe) -> bool:
-        """Can the rule still hold within the extra epochs left?"""
         left = recipe.epochs + recipe.extra_epochs - self.epoch
         return left > 0 and trailing_streak(self.accuracies, recipe.target_accuracy) + left >= recipe.patience
 
     def rule_holds(self, recipe) -> bool:
-        """The rule in force, checked now over every logged epoch (after each epoch, and as a resume starts)."""
         return criterion_met(self.accuracies, recipe.target_accuracy, recipe.patience)
 
     def epochs_left(self, recipe) -> bool:
-        """The rule does not hold (a resume may have changed it) and the budget or safety net is open."""
         return not self.rule_holds(recipe) and (self.epoch < recipe.epochs or self.safety_net_open(recipe))
 
     def epochs(self, recipe):
@@ -128,7 +123,7 @@ def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:
 
 
 def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
-    """--log-json, else a new folder under $RUNS_DIR (runs): the checkpoints' disk may fill."""
+    """Not beside the checkpoints: their disk may fill."""
     if log_json:
         return log_json
     name = f"{prefix}{Path(recipe_name).stem}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -143,7 +138,6 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
 
 
 def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
-    """Rank 0's JSON log (appended to on a resume), opened with its header."""
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
     layout, prefix = f"{launch['num_nodes']}x{launch['num_gpus']}", "accel-" if run.accelerator else ""
@@ -181,7 +175,7 @@ def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
 
 
 class JsonLog:
-    """One JSON object per line, flushed at once: a crash loses nothing written."""
+    """Flushed at once: a crash loses nothing written."""
 
     def __init__(self, path, append: bool = False):
         self.file = open(path, "a" if append else "w") if path else None

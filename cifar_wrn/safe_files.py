@@ -30,12 +30,10 @@ def check_writable(directory) -> None:
 
 
 def _create_new(path) -> int:
-    """An existing file or symlink at `path` is an error, never followed."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
-def _remove(path) -> None:
-    """`path` itself, never a symlink's target."""
+def _remove(path) -> None:  # never a symlink's target
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
@@ -51,19 +49,17 @@ def _fsync(path, flags: int = 0) -> None:
 
 
 def why(exc: BaseException) -> str:
-    """In one line, in the OS's words where there are any."""
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
     if "unexpected pos" in str(exc):  # torch.save's file was cut short: the disk filled up
-        return "No space left on device, or the file system went away (torch.save: unexpected pos)"
+        return "No space left on device (torch.save: unexpected pos)"
     if quoted := re.search(r"\(os error (\d+)\)", str(exc)):
         return os.strerror(int(quoted.group(1)))
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def attempt(action, *args) -> str | None:
-    """None, or what went wrong in one line, for the ranks to gather."""
     try:
         action(*args)
     except Exception as exc:
@@ -77,14 +73,13 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
             with contextlib.suppress(OSError):
                 _remove(leftover)
         raise RunStopped(
-            f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint "
-            f"there is intact, and every rank stopped",
+            f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint there is intact",
             2,
         )
 
 
 def _replace(path, write) -> None:
-    """Via a fsynced temporary file: a crash never leaves a torn one."""
+    """Via a fsynced temporary file: never torn."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     created = False
@@ -109,10 +104,7 @@ def save_atomic(state: dict, path) -> None:
 
 
 def _not_ours(path, why: str) -> str:
-    return (
-        f"{path} is not a checkpoint this project wrote ({why}); nothing in it ran, and it is left as it is: move "
-        f"it away, or resume from a checkpoint you trust"
-    )
+    return f"{path} is not a checkpoint this project wrote ({why}); nothing in it ran; resume from one you trust"
 
 
 def load_data_only(path, required: tuple = ()) -> dict:
@@ -123,8 +115,8 @@ def load_data_only(path, required: tuple = ()) -> dict:
     missing = [key for key in required if key not in state]
     if missing:
         raise CheckpointError(
-            f"{path} lacks {', '.join(missing)}: an earlier version wrote it, or another project; it is left as it "
-            f"is: start afresh in an empty --checkpoint-dir"
+            f"{path} lacks {', '.join(missing)}: an earlier version wrote it, or another project; start afresh in "
+            "an empty --checkpoint-dir"
         )
     return state
 
@@ -136,17 +128,14 @@ STATE_FOLDER = re.compile(r"state-(\d+)")
 
 
 def latest_checkpoint(directory) -> str | None:
-    """The state-<n> folder DIR/LATEST names, or None; others may write LATEST: nothing else is accepted."""
+    """The state-<n> folder DIR/LATEST names, or None; others may write LATEST."""
     pointer = os.path.join(directory, LATEST)
     try:
         fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CheckpointError(
-            f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused): it must be a "
-            f"file naming a state-<n> folder of {directory}"
-        ) from None
+        raise CheckpointError(f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused)") from None
     with open(fd, "rb") as f:
         name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
     folder = os.path.join(directory, name or "")
@@ -154,13 +143,13 @@ def latest_checkpoint(directory) -> str | None:
         raise CheckpointError(
             f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
             f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> folder of "
-            f"{directory}: refused, nothing outside that folder is read or changed. Remove {LATEST}"
+            f"{directory}: refused. Remove {LATEST}"
         )
     return folder if os.path.isdir(folder) else None
 
 
 def publish_checkpoint(directory, incomplete: str) -> str:
-    """Makes `incomplete` DIR's checkpoint atomically (via LATEST); the old one goes after."""
+    """Atomically, via LATEST; the old one goes after."""
     previous = latest_checkpoint(directory)
     number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
     folder = os.path.join(directory, f"state-{number}")
