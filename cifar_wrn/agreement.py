@@ -1,6 +1,5 @@
-"""The collectives that are not course steps: every rank agrees on errors, stops and checkpoints, so a fault on
-one rank stops all with one message instead of leaving the others waiting. The course's own collectives stay in
-raw_ddp.py. Works on the default group (raw_ddp.py's or Accelerate's); without one, as one process."""
+"""Collectives that are not course steps (those stay in raw_ddp.py): the ranks agree on errors, stops and
+checkpoints, so a fault on one stops all with one message."""
 
 import itertools
 import os
@@ -43,7 +42,7 @@ def all_gather(obj) -> list:
 
 
 def together(run, action, *args, note: str | None = None):
-    """action(*args); a UserError on any rank is the same AgreedError on all, naming the node, said once a node."""
+    """action(*args); a UserError on any rank is the same AgreedError on all, said once a node."""
     result, problem = None, None
     try:
         result = action(*args)
@@ -58,7 +57,7 @@ def together(run, action, *args, note: str | None = None):
 
 
 def agree_on_flags(flags: torch.Tensor) -> None:
-    """StepGuard's flags (stop, non-finite losses, step times): the maximum over the ranks, in place."""
+    """StepGuard's flags: the maximum over the ranks, in place."""
     if _grouped():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
 
@@ -71,7 +70,7 @@ def buffers_from_rank_0(module: torch.nn.Module) -> None:
 
 
 def training_counts(run, progress: Progress, correct: torch.Tensor, step_end: int) -> dict:
-    """This epoch's training images to `step_end`, every rank's (a resumed part included), and those right."""
+    """All ranks' training images this epoch to `step_end` (a resumed part included), and those right."""
     images = (step_end - progress.step) * run.recipe.batch_size
     counts = torch.stack([correct, torch.tensor(images, device=correct.device)])
     if _grouped():
@@ -81,24 +80,23 @@ def training_counts(run, progress: Progress, correct: torch.Tensor, step_end: in
 
 
 def resume(args, recipe, run) -> Progress | None:
-    """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (that run had finished)."""
+    """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (it had finished)."""
     if not (args.resume or args.auto_resume):
         return Progress()
-    if run.accelerator is None:
-        where, (saved, problem) = (
-            checkpoint_path(args.checkpoint_dir),
-            read_for_resume(args.checkpoint_dir, args.resume),
-        )
+    directory, raw = args.checkpoint_dir, run.accelerator is None
+    if raw:
+        where, (saved, problem) = checkpoint_path(directory), read_for_resume(directory, args.resume)
     else:
-        where, saved, problem = read_accel_for_resume(args.checkpoint_dir, args.resume)
-        where = where or args.checkpoint_dir
+        where, saved, problem = read_accel_for_resume(directory, args.resume)
+        where = where or directory
     if saved is not None:
+        restore = (
+            (restore_raw, saved, run)
+            if raw
+            else (restore_accel, run.accelerator, where, saved, run.device.type, run.ema, run.data.generator)
+        )
         problem = resume_problem(saved, as_dict(recipe), run.world_size, run.model_width, run.data.sizes())
-        if run.accelerator is None:
-            problem = problem or attempt(restore_raw, saved, run)
-        else:
-            restore = (run.accelerator, where, saved, run.device.type, run.ema, run.data.generator)
-            problem = problem or attempt(restore_accel, *restore)
+        problem = problem or attempt(*restore)
     problem = resume_disagreement(all_gather((what_was_seen(saved), problem)))
     if problem:
         raise UserError(f"cannot resume from {where}: {problem}")
@@ -124,18 +122,18 @@ def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = Fals
     # every rank save_state's its part into DIR/.incomplete, then the main process publishes it as DIR/state-<n>
     pipeline = all_gather(None if generator is None else generator.get_state())
     state = accel_state(run, progress, finished, pipeline, as_dict(recipe), run.model_width)
-    incomplete = os.path.join(directory, ".incomplete")
-    leftover = incomplete if run.is_main else None
-    problem = attempt(fresh_folder, incomplete) if run.is_main else None
-    stop_unless_written(all_gather(problem), directory)
-    problem = attempt(write_folder, run.accelerator.save_state, incomplete, state if run.is_main else None)
-    stop_unless_written(all_gather(problem), directory, leftover)
-    problem = attempt(publish_checkpoint, directory, incomplete) if run.is_main else None
-    stop_unless_written(all_gather(problem), directory, leftover)
+    main, incomplete = run.is_main, os.path.join(directory, ".incomplete")
+    steps = (
+        main and (fresh_folder, incomplete),
+        (write_folder, run.accelerator.save_state, incomplete, state if main else None),
+        main and (publish_checkpoint, directory, incomplete),
+    )
+    for i, step in enumerate(steps):  # a failed first step leaves nothing to remove
+        stop_unless_written(all_gather(step and attempt(*step)), directory, i and main and incomplete or None)
     return latest_checkpoint(directory)
 
 
 def save_and_stop(args, recipe, run, progress: Progress, step: int, correct, seconds: float):
-    """A stop signal reached every rank at `step`: checkpoint where the run stands, then stop (exit 75)."""
+    """A stop signal reached every rank at `step`: checkpoint, then stop (exit 75)."""
     at = progress.mid_epoch(step + 1, seconds, **training_counts(run, progress, correct, step + 1))
     raise preempted(progress.epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))

@@ -8,15 +8,14 @@ from tqdm import tqdm
 from .errors import before_report
 from .resilience import CHECK_EVERY
 
-# No monitor thread: unwelcome in processes that fork and handle signals.
-tqdm.monitor_interval = 0
+tqdm.monitor_interval = 0  # no thread: unwelcome in processes that fork and handle signals
 
 _open_bars = weakref.WeakSet()
 DEFAULT_COLUMNS = 100
 
 
 class _Bar(tqdm):
-    """On stderr, with {img_rate}; DEFAULT_COLUMNS wide where the terminal reports no width."""
+    """On stderr, with {img_rate}; DEFAULT_COLUMNS wide where the terminal gives no width."""
 
     def __init__(self, *args, images_per_step: int = 1, **kwargs):
         self.images_per_step = images_per_step  # before tqdm's __init__, which draws
@@ -44,14 +43,7 @@ class _Bar(tqdm):
 class EpochBar:
     """One epoch's steps; with show=False every method does nothing."""
 
-    def __init__(
-        self,
-        show: bool,
-        epoch: int,
-        steps_per_epoch: int,
-        start_step: int = 0,
-        images_per_step: int = 1,
-    ):
+    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step: int = 0, images_per_step: int = 1):
         self.step_number, self.steps_per_epoch = start_step, steps_per_epoch
         self._loss_sum, self._losses, self._bar = None, 0, None
         if show:
@@ -92,6 +84,6 @@ def validation_bar(show: bool, loader):
 
 @before_report
 def close_all() -> None:
-    """So that an error message starts on a clean line."""
+    """An error message then starts on a clean line."""
     for bar in list(_open_bars):
         bar.close()

@@ -13,11 +13,9 @@ from .model import COURSE_WIDTH
 from .recipe import Recipe, load_recipe, parse_set, slow_bf16_warning
 from .safe_files import check_writable
 
-# both trainers, without CUDA and with --device auto
-CPU_FALLBACK_WARNING = (
-    "warning: CUDA is not available: running on the CPU with the gloo backend; a full-data epoch there takes about "
-    "an hour on 2 cores (baseline recipe), so add --device cpu --train-subset 2000 --val-subset 1000 --epochs 2 "
-    "for a short run"
+CPU_FALLBACK_WARNING = (  # --device auto without CUDA
+    "warning: CUDA is not available: running on the CPU with the gloo backend (a full-data epoch: about an hour on "
+    "2 cores); for a short run add --device cpu --train-subset 2000 --val-subset 1000 --epochs 2"
 )
 NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or auto)"
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
@@ -30,12 +28,15 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     add("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
     add("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key (repeatable)")
-    add("--epochs", type=int, help="maximum epochs (recipe: 40)")
-    add("--batch-size", type=int, help="images per process per step (recipe: 32)")
-    add("--base-lr", type=float, help="learning rate at the reference batch size (recipe: 0.01)")
-    add("--target-accuracy", type=float, help="validation accuracy to reach (recipe: 0.85)")
-    add("--patience", type=int, help="consecutive epochs at the target before stopping (recipe: 2)")
-    add("--seed", type=int, help="random seed (recipe: 0)")
+    for flag, kind, text in (
+        ("epochs", int, "maximum epochs"),
+        ("batch-size", int, "images per process per step"),
+        ("base-lr", float, "learning rate at the reference batch size"),
+        ("target-accuracy", float, "validation accuracy to reach"),
+        ("patience", int, "consecutive epochs at the target before stopping"),
+        ("seed", int, "random seed"),
+    ):
+        add(f"--{flag}", type=kind, help=f"{text} (default: the recipe's)")
     add("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
     add("--log-json", metavar="PATH", help="the JSON-lines log (default: a new folder under runs/)")
     add("--train-subset", type=int, metavar="N", help="train on the first N images only")
@@ -52,7 +53,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 def recipe_from_args(args) -> Recipe:
     """The recipe file, then --set, then the dedicated flags."""
     flags = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience", "seed")
-    dedicated = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
+    dedicated = {f: v for f in flags if (v := getattr(args, f)) is not None}
     return load_recipe(args.recipe, {**parse_set(args.set), **dedicated})
 
 
@@ -74,14 +75,13 @@ def check_training_flags(args, writes_outputs: bool = True) -> None:
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
     if args.dist_timeout <= 0:
         raise UserError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
-    for flag in ("save", "log_json"):
-        path = getattr(args, flag)
+    for flag, path in (("save", args.save), ("log-json", args.log_json)):
         if path and writes_outputs and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise UserError(f"--{flag.replace('_', '-')} {path}: the folder does not exist or is not writable")
+            raise UserError(f"--{flag} {path}: the folder does not exist or is not writable")
     if (args.resume or args.auto_resume) and not args.checkpoint_dir:
         raise UserError("--resume and --auto-resume need --checkpoint-dir")
     if args.resume and args.auto_resume:
-        raise UserError("use either --resume (a checkpoint must exist) or --auto-resume (start fresh without one)")
+        raise UserError("use --resume (a checkpoint must exist) or --auto-resume, not both")
     if args.checkpoint_dir:
         check_writable(args.checkpoint_dir)
 
@@ -116,30 +116,32 @@ def local_world_size(default: int) -> int:
 
 
 def launcher_name() -> str:
-    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # first: accelerate launch runs torchrun inside
-        return "accelerate launch"
-    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
+    env = os.environ  # accelerate launch runs torchrun inside: asked first
+    return (
+        "accelerate launch"
+        if "ACCELERATE_DYNAMO_BACKEND" in env
+        else "torchrun"
+        if "TORCHELASTIC_RUN_ID" in env
+        else "python"
+    )
 
 
 def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
-    """Why Accelerate did not join every process the launch started, or None."""
     started = launcher_world_size()
     if started not in (None, seen):
         return (
             f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
-            f"(distributed_type {distributed_type}, device {device_type}): each process would train alone. "
-            "Without CUDA, a MULTI_GPU launch must be told to use the CPU: add --cpu after accel_train.py or "
-            "set ACCELERATE_USE_CPU=1 (`use_cpu: true` in the config file does not reach the processes of a "
-            "MULTI_GPU launch). See docs/accelerate.md, CPU traps."
+            f"(distributed_type {distributed_type}, device {device_type}): each would train alone. Without CUDA, "
+            "add --cpu after accel_train.py or set ACCELERATE_USE_CPU=1 (a config's `use_cpu: true` does not reach "
+            "a MULTI_GPU launch's processes); see docs/accelerate.md, CPU traps."
         )
-    # the single-process launcher sets MASTER_PORT only when asked for several processes
+    # the single-process launcher sets MASTER_PORT only when asked for several
     if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):
         return (
-            "accelerate launch was asked for several processes but started only this one: `accelerate launch "
-            f"--cpu --num_processes N` and `distributed_type: MULTI_CPU` configs run a single process (accelerate "
-            f"{version}). For N CPU processes use `accelerate launch --config_file "
-            "accelerate_configs/two_cpus.yaml accel_train.py --cpu ...` (a MULTI_GPU config, --num_processes N). "
-            "If you meant one process and exported MASTER_PORT yourself, unset it."
+            "accelerate launch was asked for several processes but started only this one (accelerate "
+            f"{version} runs `--cpu --num_processes N` and MULTI_CPU configs as one). For N CPU processes use "
+            "`accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --cpu ...`; "
+            "for one, unset MASTER_PORT."
         )
     return None
 
@@ -155,16 +157,12 @@ def check_launch(args, cuda_device_count: int) -> None:
         raise UserError(only if cuda_device_count else NO_CUDA)
     check_training_flags(args, writes_outputs=args.node_id == 0)
     port = args.master_port
-    if args.master_addr is None:
-        raise UserError(
-            "--master-addr (or $MASTER_ADDR) is required with more than one node: the address of "
-            "node 0, which every node can reach"
-        )
-    if port is None and args.num_nodes > 1:
-        raise UserError(
-            "--master-port (or $MASTER_PORT) is required with more than one node, "
-            "so that every node meets at the same port"
-        )
+    for flag, missing, why in (
+        ("addr", args.master_addr is None, "node 0's address, which every node can reach"),
+        ("port", port is None and args.num_nodes > 1, "where every node meets"),
+    ):
+        if missing:
+            raise UserError(f"--master-{flag} (or $MASTER_{flag.upper()}) is required with more than one node: {why}")
     if port is not None and not 1 <= port <= 65535:
         raise UserError(f"--master-port must be in 1-65535 (got {port})")
     if port and args.node_id == 0 and not launched_by_torchrun() and not port_is_free(port):
@@ -172,7 +170,7 @@ def check_launch(args, cuda_device_count: int) -> None:
 
 
 def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
-    """raw_ddp.py's device, torchrun's ranks, the flags checked (R1.1), the recipe."""
+    """raw_ddp.py's device and ranks, the flags checked (R1.1)."""
     recipe = recipe_from_args(args)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     node_main = os.environ.get("LOCAL_RANK", "0") == "0"
@@ -181,14 +179,14 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         if not cuda_count and node_main:
             print(CPU_FALLBACK_WARNING, file=sys.stderr)
     args.torchrun_local_rank, args.launcher_store = None, False
+    env_port = os.environ.get("MASTER_PORT", "")
     if launched_by_torchrun():
-        env = lambda key: int(os.environ[key])
-        args.torchrun_local_rank, args.num_gpus = env("LOCAL_RANK"), env("LOCAL_WORLD_SIZE")
-        args.num_nodes, args.node_id = env("WORLD_SIZE") // args.num_gpus, env("RANK") // args.num_gpus
-        args.master_port = int(os.environ.get("MASTER_PORT", 0)) or None
+        local, n, world, rank = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"))
+        args.torchrun_local_rank, args.num_gpus, args.num_nodes, args.node_id = local, n, world // n, rank // n
+        args.master_port = int(env_port or 0) or None
     else:
-        if args.master_port is None and os.environ.get("MASTER_PORT", "").isdigit():
-            args.master_port = int(os.environ["MASTER_PORT"])
+        if args.master_port is None and env_port.isdigit():
+            args.master_port = int(env_port)
         if args.num_nodes == 1:
             args.master_addr = args.master_addr or "127.0.0.1"
     check_launch(args, cuda_count)
@@ -200,19 +198,19 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
 
 
 def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
-    """accel_train.py's device, the launch's precision against the recipe's, the flags checked (A1.1)."""
+    """accel_train.py's device and precision, the flags checked (A1.1)."""
     from accelerate.utils import parse_flag_from_env
 
     recipe = recipe_from_args(args)
     cuda = torch.cuda.is_available()
-    args.cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # the CPU, after a warning
+    args.cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
     args.cpu |= args.device == "cpu" or args.cpu_fallback
     # 'no' is also the launcher's default: only bf16 overrides the recipe
     launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if launch_precision not in ("no", "bf16"):
         raise UserError(
-            f"the launch asks for mixed precision {launch_precision!r}; this trainer supports bf16 or "
-            "'no' (the recipe's precision decides): fix mixed_precision in the accelerate config"
+            f"the launch asks for mixed precision {launch_precision!r}: set mixed_precision in the accelerate "
+            "config to bf16 or 'no' (the recipe's precision)"
         )
     args.precision_note = None
     if launch_precision == "bf16" and recipe.precision != "bf16":

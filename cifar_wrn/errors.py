@@ -12,11 +12,11 @@ def before_report(hook):
 
 
 class UserError(Exception):
-    """Something the user can fix: printed as `error: <message>`, exit status 2."""
+    """Something the user can fix: `error: <message>`, exit status 2."""
 
 
 class AgreedError(UserError):
-    """A problem every rank finds alike; only the `shown` process (one per node) prints it."""
+    """Found alike by every rank; only the `shown` process (one a node) prints it."""
 
     def __init__(self, message: str, shown: bool, note: str | None = None):
         super().__init__(f"{message} (this node: {note})" if note and shown else message)
@@ -24,7 +24,7 @@ class AgreedError(UserError):
 
 
 class RunStopped(Exception):
-    """Every rank stops at the same step; rank 0 prints why; all exit with `status`."""
+    """Every rank stops at one step; rank 0 says why; all exit with `status`."""
 
     def __init__(self, message: str, status: int):
         super().__init__(message)
@@ -32,7 +32,6 @@ class RunStopped(Exception):
 
 
 def agreed_problem(problems: list) -> str | None:
-    """One message from every rank's problem (or None)."""
     by_message = {}
     for rank, problem in enumerate(problems):
         if problem:
@@ -44,7 +43,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
-    """train(), any failure reported by the rank where it happened, with its exit status."""
+    """train(), any failure reported by its rank, with an exit status."""
     say = lambda text: print(text, file=sys.stderr, flush=True)
     try:
         try:

@@ -10,27 +10,17 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
     return positions < len(sampler.dataset)
 
 
-def tta_logits(model, images: torch.Tensor, flip: bool = False, cache: dict | None = None) -> torch.Tensor:
-    """With `flip`, the fp32 mean of the batch's and its mirror's logits; `cache` reuses views."""
-    cache = {} if cache is None else cache
-    views = (False, True) if flip else (False,)
-    for mirrored in views:
-        if mirrored not in cache:
-            cache[mirrored] = model(images.flip(3) if mirrored else images)
-    return sum(cache[mirrored].float() for mirrored in views) / len(views)
+def tta_logits(model, images: torch.Tensor, flip: bool = False) -> torch.Tensor:
+    """With `flip`, the fp32 mean of the batch's and its mirror's logits."""
+    views = (images, images.flip(3)) if flip else (images,)
+    return sum(model(view).float() for view in views) / len(views)
 
 
 @torch.no_grad()
 def evaluate(
-    model,
-    loader,
-    mask: torch.Tensor | None,
-    device,
-    autocast_dtype=None,
-    tta_flip: bool = False,
-    gather=None,
-) -> torch.Tensor:
-    """float64 [loss_sum, correct, count] of the real samples (`mask`, or `gather` drops padding)."""
+    model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False, gather=None
+):
+    """float64 [loss_sum, correct, count] of the real samples (`mask`, or `gather`, drops padding)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     offset = 0

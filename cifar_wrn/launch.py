@@ -1,5 +1,4 @@
-"""Launch plumbing a student need not learn: where the ranks meet, the launching process, clear errors when the
-group does not form or a rank fails, and what the run log records of the launch."""
+"""Launch plumbing a student need not learn."""
 
 import contextlib
 import os
@@ -19,11 +18,12 @@ from .cli import (
     launcher_world_size,
     local_world_size,
 )
-from .errors import group_not_formed, run_reporting_failures
+from .errors import AgreedError, group_not_formed, run_reporting_failures
+from .recipe import slow_bf16_warning
 
 
 def rendezvous(args, device: torch.device) -> dict:
-    """Where init_process_group meets: torchrun's environment, the launcher's store, or node 0's address and port."""
+    """Where init_process_group meets: torchrun's environment, the launcher's store, or node 0's address."""
     if launched_by_torchrun():
         meet = dict(init_method="env://")
     elif args.launcher_store:
@@ -36,7 +36,7 @@ def rendezvous(args, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def forming_group(rank, world_size: int | None, args):
-    """Around init_process_group or Accelerator(): a group that does not form is one UserError."""
+    """A group that does not form is one UserError."""
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
@@ -45,20 +45,21 @@ def forming_group(rank, world_size: int | None, args):
         addr, port = (os.environ.get(k, getattr(args, k.lower(), None)) for k in ("MASTER_ADDR", "MASTER_PORT"))
         who = "" if rank is None else f"rank {rank}: "
         hint = "Start every node with the same node count, processes per node, address and port."
-        size = world_size or launcher_world_size()
-        raise group_not_formed(who, f"{addr}:{port}", size, args.dist_timeout, exc, hint) from None
+        raise group_not_formed(
+            who, f"{addr}:{port}", world_size or launcher_world_size(), args.dist_timeout, exc, hint
+        ) from None
 
 
 def report_failures(train, local_rank: int, args, recipe) -> None:
-    """train(...), any failure said once by its rank, with an exit status."""
     rank = os.environ.get("RANK") or getattr(args, "node_id", 0) * getattr(args, "num_gpus", 1) + local_rank
-    lost = (dist.DistBackendError, dist.DistNetworkError)
-    run_reporting_failures(lambda: train(local_rank, args, recipe), rank, lost)
+    run_reporting_failures(
+        lambda: train(local_rank, args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError)
+    )
 
 
 class Launcher:
-    """raw_ddp.py's launching process: with one node and no port it holds the rendezvous store on a free port, as
-    torchrun's agent does; SIGUSR1 or SIGTERM goes on to each rank as SIGUSR1; wait() exits as the ranks did."""
+    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes SIGUSR1/SIGTERM on, exits as the
+    ranks did."""
 
     def __init__(self, args):
         self.args, self.processes = args, []
@@ -66,8 +67,8 @@ class Launcher:
         if args.launcher_store:
             self.store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)
             args.master_port = self.store.port
-        signal.signal(signal.SIGUSR1, self.pass_on)
-        signal.signal(signal.SIGTERM, self.pass_on)
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, self.pass_on)
 
     def pass_on(self, signum, frame) -> None:
         for process in self.processes:
@@ -88,42 +89,40 @@ class Launcher:
 
 def launch_fields(args, run) -> dict:
     """What the run log's header records of the launch."""
-    if run.accelerator is None:
+    if (acc := run.accelerator) is None:
         launcher = "torchrun" if launched_by_torchrun() else "mp.spawn"
-        backend = dist.get_backend()
         return dict(
-            num_nodes=args.num_nodes, num_gpus=args.num_gpus, backend=backend, device=run.device.type, launcher=launcher
+            num_nodes=args.num_nodes,
+            num_gpus=args.num_gpus,
+            backend=dist.get_backend(),
+            device=run.device.type,
+            launcher=launcher,
         )
     import accelerate
 
-    accelerator = run.accelerator
-    per_node = local_world_size(accelerator.num_processes)
+    per_node = local_world_size(acc.num_processes)
     return dict(
         num_gpus=per_node,
-        num_nodes=accelerator.num_processes // per_node,
-        device=accelerator.device.type,
-        backend=accelerator.state.backend or "none",
+        num_nodes=acc.num_processes // per_node,
+        device=acc.device.type,
+        backend=acc.state.backend or "none",
         launcher=launcher_name(),
         trainer="accelerate",
         accelerate_version=accelerate.__version__,
-        mixed_precision=accelerator.mixed_precision,
-        distributed_type=accelerator.distributed_type.value,
+        mixed_precision=acc.mixed_precision,
+        distributed_type=acc.distributed_type.value,
     )
 
 
 def check_accelerate_launch(accelerator, args, recipe) -> None:
-    """accel_train.py: every process the launch started joined (else each trains alone); CPU threads; warnings."""
+    """accel_train.py: every process the launch started joined; CPU threads; warnings."""
     import accelerate
     from accelerate.utils import parse_flag_from_env
 
-    from .errors import AgreedError
-    from .recipe import slow_bf16_warning
-
     world_size, device = accelerator.num_processes, accelerator.device
-    problem = accelerate_launch_problem(
+    if problem := accelerate_launch_problem(
         world_size, accelerator.distributed_type.value, device.type, accelerate.__version__
-    )
-    if problem:
+    ):
         raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(world_size)))

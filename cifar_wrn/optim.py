@@ -1,4 +1,4 @@
-"""The optimizer, its parameter groups and the learning-rate schedule a recipe asks for."""
+"""The optimizer and learning-rate schedule a recipe asks for."""
 
 import torch
 
@@ -7,9 +7,8 @@ from .recipe import Recipe
 
 def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
     """Linear scaling rule (Goyal et al., 2017)."""
-    if recipe.lr_scaling == "linear":
-        return recipe.base_lr * global_batch_size / recipe.reference_batch_size
-    return recipe.base_lr
+    linear = recipe.lr_scaling == "linear"
+    return recipe.base_lr * global_batch_size / recipe.reference_batch_size if linear else recipe.base_lr
 
 
 def build_optimizer(

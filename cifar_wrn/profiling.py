@@ -9,7 +9,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
 class PhaseTimer:
-    """--profile's phase times, and --trace's profiler of steps 3-5 (stopped by the first totals())."""
+    """--profile's phase times; --trace's profiler of steps 3-5, stopped by totals()."""
 
     def __init__(self, device: torch.device, enabled: bool, trace_dir: str | None = None, rank: int = 0):
         self.enabled, self.cuda, self.marks, self.tracer = enabled, device.type == "cuda", [], None
@@ -31,8 +31,7 @@ class PhaseTimer:
 
     def start(self, device: torch.device) -> float:
         t0 = synchronized_clock(device)
-        if self.enabled:
-            self.marks = [(None, self._now())]
+        self.marks = [(None, self._now())] if self.enabled else []
         return t0
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -88,7 +87,7 @@ def synchronized_clock(device: torch.device) -> float:
 
 
 def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, repeats: int = 3) -> float:
-    """Seconds the all-reduce adds to a backward (with and without no_sync), on all ranks; state restored."""
+    """Seconds the all-reduce adds to a backward (with vs without no_sync); state restored."""
     buffers, seconds = [b.clone() for b in raw_model.buffers()], []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -21,7 +21,7 @@ def request_stop(*_) -> None:
 
 
 def install_stop_handlers() -> None:
-    """Both mean "checkpoint and stop", never "die now"."""
+    """SIGUSR1 and SIGTERM mean "checkpoint and stop", never "die now"."""
     for signum in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(signum, request_stop)
 
@@ -36,8 +36,8 @@ class StepGuard:
         self.since = (None, 0, 0.0)  # (epoch, step, clock) of the last agreement
 
     def check(self, loss: torch.Tensor, epoch: int, step: int, steps_per_epoch: int, agree) -> bool:
-        """True: stop and checkpoint; raises RunStopped on a non-finite loss. Ranks write only their own slots, so
-        agree() may MAX or SUM, in place or not."""
+        """True: stop and checkpoint; RunStopped on a non-finite loss. Ranks write only their own slots: agree()
+        may MAX or SUM."""
         first_bad = self.flags[1 + self.rank]
         self.flags[1 + self.rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1, first_bad)
         if (step + 1) % self.every and step + 1 != steps_per_epoch:

@@ -1,4 +1,4 @@
-"""One rank's training objects, filled in by the entry point in order: setup, then build_data, then build_model."""
+"""One rank's training objects: setup, then build_data, then build_model fill them in."""
 
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ class Data:
         return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
 
     def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
-        """accel_train.py: this epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
+        """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
             self.train_batches.skip = skip
@@ -49,11 +49,7 @@ class Data:
         return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
     def sizes(self) -> dict:  # what a checkpoint records of the data, and a resume must match
-        return {
-            "train_images": len(self.train_set),
-            "val_images": self.val_images,
-            "steps_per_epoch": self.steps_per_epoch,
-        }
+        return dict(train_images=len(self.train_set), val_images=self.val_images, steps_per_epoch=self.steps_per_epoch)
 
 
 @dataclass
@@ -105,9 +101,9 @@ class Run:
         return model if isinstance(model, DistributedDataParallel) else None
 
     def recalibration_batches(self) -> list:  # bn_recalibration's, made once
-        if not self.data.recalibration and self.recipe.bn_recalibration:
-            data = self.data
+        data = self.data
+        if not data.recalibration and self.recipe.bn_recalibration:
             data.recalibration = recalibration_batches(
                 data.train_set, self.recipe, self.rank, self.world_size, self.device
             )
-        return self.data.recalibration
+        return data.recalibration

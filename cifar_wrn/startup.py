@@ -1,5 +1,5 @@
-"""Steps on random tensors before the clock, so that kernel loading, autotuning, compilation and memory growth fall
-before epoch 1; all undone after, and no training image touched."""
+"""Steps on random tensors before the clock, so compilation, autotuning and memory growth precede epoch 1;
+undone after."""
 
 import copy
 import time
@@ -8,7 +8,7 @@ import torch
 
 
 def warm_up(run, recipe) -> float:
-    """recipe.startup_steps steps and a validation forward; returns the seconds taken."""
+    """recipe.startup_steps steps and a validation forward; the seconds taken."""
     if not recipe.startup_steps:
         return 0.0
     t0, device, ema, optimizer, scheduler = time.perf_counter(), run.device, run.ema, run.optimizer, run.scheduler

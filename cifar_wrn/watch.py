@@ -1,5 +1,4 @@
-"""Around the training steps, never in them: the warm-up and run log; per epoch the clock, --profile's phases
-(hooks), --trace and the bar; per step the ranks' agreement on stop signals and non-finite losses."""
+"""Around the training steps, never in them: warm-up, run log, timing, --profile, --trace, bars, stop agreement."""
 
 import torch
 
@@ -13,18 +12,17 @@ from .startup import warm_up
 
 
 def start_training(args, recipe, run, progress: Progress) -> "Watch":
-    """The warm-up (recipe key startup_steps: before the clock, then undone), the run log, the epochs' Watch."""
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
-    if getattr(args, "precision_note", None) and run.is_main:  # accel_train.py: the launch's bf16 over the recipe's
+    if getattr(args, "precision_note", None) and run.is_main:  # accel_train.py
         print(f"note: {args.precision_note}", flush=True)
     return Watch(args, run, log)
 
 
 class Watch:
     def __init__(self, args, run, log: JsonLog):
-        install_stop_handlers()  # from now on SIGUSR1 and SIGTERM mean "checkpoint and stop", never "die now"
+        install_stop_handlers()
         self.run, self.log, self.profile = run, log, args.profile
         self.guard = StepGuard(run.rank, run.world_size, run.device)
         self.timer = PhaseTimer(run.device, enabled=args.profile, trace_dir=args.trace, rank=run.rank)
@@ -40,18 +38,18 @@ class Watch:
         self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size)
 
     def step_done(self, step: int, loss: torch.Tensor) -> bool:
-        """True: every rank checkpoints and stops (a stop signal reached one); RunStopped on a non-finite loss."""
+        """True: every rank checkpoints and stops; RunStopped on a non-finite loss."""
         stop = self.guard.check(loss, self.progress.epoch, step, self.run.data.steps_per_epoch, agree_on_flags)
         if not stop:
             self.bar.step(loss)
         self.timer.mark("other")
         return stop
 
-    def seconds(self) -> float:  # the epoch's training time so far, a resumed epoch's earlier part included
+    def seconds(self) -> float:  # a resumed epoch's earlier part included
         return self.progress.epoch_time_so_far + synchronized_clock(self.run.device) - self.t0
 
     def end_epoch(self) -> float:
-        """The epoch's training time; --profile's phases wait for log_epoch."""
+        """The epoch's training time."""
         self.bar.close()
         epoch_time = self.seconds()
         self.extras = {}
@@ -63,22 +61,23 @@ class Watch:
         return epoch_time
 
     def log_epoch(self, metrics: dict) -> None:
-        """The run log's epoch record, and --profile's table on rank 0."""
         if self.profile and self.run.is_main:
-            profile, comm = self.extras["profile"], self.extras["comm_estimate"]
-            print(profile_table(profile, metrics["epoch_time"], comm, metrics["epoch"]), flush=True)
+            table = profile_table(
+                self.extras["profile"], metrics["epoch_time"], self.extras["comm_estimate"], metrics["epoch"]
+            )
+            print(table, flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
 
     def allreduce_estimate(self, steps_run: int) -> float:
-        """--profile: the seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
+        """Seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
         run, images = self.run, self.last_images
         if run.ddp is None or images is None or not steps_run:
             return 0.0
-        labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # any: only the time counts
+        labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
         forward = torch.autocast(**run.autocast)(lambda: run.criterion(run.model(images), labels))
-        backward = lambda loss: loss.backward()  # noqa: E731
+        backward, model = torch.Tensor.backward, run.model
         return steps_run * allreduce_cost(
-            forward, backward, run.ddp.no_sync, run.model.zero_grad, run.raw_model, run.device
+            forward, backward, run.ddp.no_sync, model.zero_grad, run.raw_model, run.device
         )
 
     def close(self) -> None:
