@@ -220,6 +220,12 @@ def test_raw_ddp_takes_at_most_30_names_from_the_package_and_every_module_has_on
         assert not [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)], path.name
 
 
+def test_the_training_code_stays_small():
+    """The entry points and cifar_wrn/ (the report aside) in non-space characters: smaller, not only moved."""
+    files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
+    assert sum(len(re.sub(r"\s", "", path.read_text())) for path in files) <= 105_000
+
+
 @pytest.mark.parametrize("name", ["raw_ddp.py", "accel_train.py"])
 def test_entry_points_read_on_one_screen(name):
     """In lines as ruff formats them (CI checks the formatting, so they cannot be squeezed): the file at most 330,
