@@ -75,7 +75,9 @@ def setup(local_rank: int, args, recipe) -> Run:
     # A1.3 Accelerator(): joins the group the launcher formed, with DDP's options and the recipe's precision
     hook = DDPCommunicationHookType.BF16 if recipe.grad_compression == "bf16" else DDPCommunicationHookType.NO
     ddp_options = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
-    loading = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True)  # A1.5
+    loading = DataLoaderConfiguration(
+        use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
+    )  # A1.5 shuffle
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))  # A1.3
     with forming_group(None, None, args):  # a group that does not form is one clear error
         accelerator = Accelerator(  # A1.3
@@ -84,10 +86,10 @@ def setup(local_rank: int, args, recipe) -> Run:
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
-            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8
+            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
         )
-    world_size, rank = accelerator.num_processes, accelerator.process_index  # A1.2
-    device = accelerator.device  # A1.7
+    world_size, rank = accelerator.num_processes, accelerator.process_index  # A1.2 world size and rank
+    device = accelerator.device  # A1.7 this process's device
     check_accelerate_launch(accelerator, args, recipe)  # every process joined; the CPU's threads and warnings
     return Run(
         recipe, rank, local_rank, world_size, device, show_progress(args, rank == 0), accelerator, args.model_width
@@ -152,7 +154,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             epoch_time = watch.end_epoch()
             progress.cumulative_time += epoch_time
             # ==== evaluate
-            metrics = epoch_metrics(run, recipe, progress, epoch_time, correct)  # A1.9
+            metrics = epoch_metrics(run, recipe, progress, epoch_time, correct)  # A1.9 reduced over the ranks
             done = progress.end_epoch(metrics, recipe)
             if run.is_main:  # A1.10 only the main process prints
                 print(epoch_line(metrics), flush=True)  # A1.10

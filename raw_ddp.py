@@ -154,7 +154,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             epoch_time = watch.end_epoch()
             progress.cumulative_time += epoch_time
             # ==== evaluate
-            metrics = epoch_metrics(run, recipe, progress, epoch_time, correct)  # R1.9
+            metrics = epoch_metrics(run, recipe, progress, epoch_time, correct)  # R1.9 reduced over the ranks
             done = progress.end_epoch(metrics, recipe)
             if run.is_main:  # R1.10 only rank 0 prints: one line per epoch, not one per process
                 print(epoch_line(metrics), flush=True)  # R1.10

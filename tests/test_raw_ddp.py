@@ -95,6 +95,18 @@ def test_every_collective_in_the_entry_points_carries_its_tag():
             assert not COLLECTIVE.search(package_file.read_text()), package_file.name
 
 
+@pytest.mark.parametrize("name, prefix", [("raw_ddp.py", "R"), ("accel_train.py", "A")])
+def test_each_tag_names_its_step_where_it_first_appears(name, prefix):
+    """`# R1.5 DistributedSampler ...`, not a bare `# R1.5`, the first time the code (after the index) shows a step."""
+    code = (REPO / name).read_text().split('"""', 2)[2]
+    first = {}
+    for line in code.splitlines():
+        for tag, rest in re.findall(rf"# ({prefix}1\.\d+)\b(.*)", line):
+            first.setdefault(tag, rest)
+    assert len(first) == 11
+    assert [tag for tag, rest in first.items() if not re.match(r"[: ]+[A-Za-z(]", rest)] == []
+
+
 def test_the_check_finds_an_untagged_collective(tmp_path):
     source = tmp_path / "entry.py"
     source.write_text("dist.barrier()  # R1.4\n# R1.9: sums\ndist.all_reduce(t)\ndist.broadcast(t)\n")
