@@ -39,14 +39,13 @@ def network_from(state: dict, width: int, prefix: str = "") -> WideResNet:
 @torch.no_grad()
 def evaluate_variants(models: dict, val: DeviceBatches, batch_size: int, bf16: bool) -> dict:
     """{(name, flip): (mean loss, accuracy)} for each model without and with flip TTA, both through
-    cifar_wrn.evaluation.tta_logits (the logits validation scores), one forward pass per distinct view."""
+    cifar_wrn.evaluation.tta_logits (the logits validation scores)."""
     sums = {(name, flip): torch.zeros(2, dtype=torch.float64) for name in models for flip in (False, True)}
     for start in range(0, len(val), batch_size):
         images, labels = val[torch.arange(start, min(start + batch_size, len(val)))]
-        caches = {name: {} for name in models}
         for (name, flip), total in sums.items():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logits = tta_logits(models[name], images, flip, caches[name])
+                logits = tta_logits(models[name], images, flip)
             loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
             total += torch.stack([loss, (logits.argmax(1) == labels).sum().double()])
     return {key: (s[0].item() / len(val), s[1].item() / len(val)) for key, s in sums.items()}
