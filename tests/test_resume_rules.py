@@ -155,7 +155,7 @@ def test_a_checkpoint_without_the_training_counts_is_refused(cifar_dir, tmp_path
     else:  # torchrun's agent (in accelerate launch) reports each rank's status, then raises ChildFailedError
         # Each rank exits 2 by itself, unless the agent, seeing the first one gone, ended it first (SIGTERM: -15)
         statuses = rank_exit_codes(result.stderr)
-        assert sorted(statuses) == [0, 1] and 2 in statuses.values(), shown
+        assert set(statuses) <= {0, 1} and 2 in statuses.values(), shown  # torch 2.7's agent may list one
         assert set(statuses.values()) <= {2, -signal.SIGTERM} and result.returncode != 0, shown
         # the one traceback is the launcher's own; no rank printed one
         assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError(" in result.stderr, shown
