@@ -165,7 +165,7 @@ def unmarked_differences(raw: Path, accel: Path) -> tuple[int, list[str]]:
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op == "equal":
             continue
-        changed += max(i2 - i1, j2 - j1)
+        changed += (i2 - i1) + (j2 - j1)  # removed plus added lines, as a diff counts them
         numbers = [n for n, _ in right[j1:j2]] or [right[j1 - 1][0]]
         first = numbers[0]  # 1-based; then the comment lines just above it
         while first > 1 and text[first - 2].lstrip().startswith("#"):
@@ -193,7 +193,7 @@ def test_the_diff_check_sees_an_unmarked_difference(tmp_path):
     raw, accel = tmp_path / "raw.py", tmp_path / "accel.py"
     raw.write_text("x = 1\ny = dist.reduce(x)  # R1.9\nw = 2\nz = 3\n")
     accel.write_text("x = 1\n# A1.9: the same sum\ny = accelerator.reduce(x)\nw = 2\nz = 4  # the answer\n")
-    assert unmarked_differences(raw, accel) == (2, ["accel.py:5-5: z = 4"])
+    assert unmarked_differences(raw, accel) == (4, ["accel.py:5-5: z = 4"])
 
 
 def cifar_wrn_names(path: Path) -> set[str]:
