@@ -393,7 +393,8 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
     for counts in in_step:
         guard = {key: n for key, n in counts.items() if key.startswith("cifar_wrn/resilience.py") and "tolist" in key}
         per_epoch = {key: n for key, n in counts.items() if key not in guard}  # the loader's start, the copy
-        assert sum(guard.values()) < steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
+        # at most every other step: StepGuard agrees more often when steps are slow (bf16 emulated on AVX2: 2 steps)
+        assert sum(guard.values()) <= steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
         assert [n for key, n in counts.items() if key.startswith("cifar_wrn/data.py") and "torch.tensor" in key] == [2]
 
 
