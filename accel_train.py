@@ -1,4 +1,4 @@
-"""The same training as raw_ddp.py through Hugging Face Accelerate, function by function, for comparison.
+r"""The same training as raw_ddp.py through Hugging Face Accelerate, function by function, for comparison.
 
 Where Accelerate replaces a course step, `# A1.<n>` stands for raw_ddp.py's `# R1.<n>`:
     A1.1   processes and nodes: the launcher's config               parse_args
@@ -32,6 +32,10 @@ Collectives that are not course steps say `# beyond R1: <why>` (they live in cif
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 accel_train.py ...
     python accel_train.py --data-dir data                                  # 1 process, no launcher
 
+    # the challenge recipe, resumable
+    accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --recipe fast \
+        --checkpoint-dir ckpt --auto-resume
+
 Preemption: SIGTERM to `accelerate launch` (SIGUSR1 kills its agent), or SIGUSR1 to the ranks.
 """
 
@@ -47,7 +51,7 @@ from accelerate.utils import DDPCommunicationHookType, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
-from cifar_wrn.cli import add_training_flags, resolve_accel_launch, show_progress
+from cifar_wrn.cli import add_training_flags, launch_commands, resolve_accel_launch, show_progress
 from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
@@ -64,10 +68,13 @@ from cifar_wrn.watch import start_training
 def parse_args(argv=None) -> argparse.Namespace:
     # A1.1 command line: processes and nodes are the launcher's (its config file), not this script's
     what = "Accelerate training of the course WideResNet on CIFAR-10; processes and nodes: the launcher's config."
-    p = argparse.ArgumentParser(description=what)  # A1.1
-    p.add_argument("--cpu", action="store_true", help="train on the CPU (gloo) even where CUDA exists")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as raw_ddp.py's")
-    add_training_flags(p)
+    p = argparse.ArgumentParser(
+        description=what, epilog=launch_commands(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    launch = p.add_argument_group("launch")  # A1.1
+    launch.add_argument("--cpu", action="store_true", help="train on the CPU (gloo) even where CUDA exists")  # A1.1
+    launch.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as raw_ddp.py's")
+    add_training_flags(p, launch)
     return p.parse_args(argv)
 
 
@@ -86,6 +93,8 @@ def setup(local_rank: int, args, recipe) -> Run:
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
+            log_with="tensorboard" if args.with_tracking else None,
+            project_dir=args.project_dir,
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
         )
     world_size, rank = accelerator.num_processes, accelerator.process_index  # A1.2 world size and rank
@@ -145,6 +154,9 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
         watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
+        if args.with_tracking and run.is_main:  # beyond R1: TensorBoard events of rank 0, in --project-dir
+            run.accelerator.init_trackers(watch.run_name)  # beyond R1: Accelerator(log_with=...)'s tracker
+            watch.tracker = run.accelerator  # accelerator.log(values, step) writes the events
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             watch.start_epoch(progress)
             loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip

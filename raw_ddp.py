@@ -1,4 +1,4 @@
-"""Hand-written PyTorch DDP training of the course WideResNet on CIFAR-10.
+r"""Hand-written PyTorch DDP training of the course WideResNet on CIFAR-10.
 
 The course's DDP steps, each tagged `# R1.<n>` where it happens, and the function that holds it:
     R1.1   the command line: --num-nodes --node-id --num-gpus       parse_args
@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
-from cifar_wrn.cli import add_training_flags, resolve_raw_launch, show_progress
+from cifar_wrn.cli import add_training_flags, launch_commands, resolve_raw_launch, show_progress
 from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
@@ -66,15 +66,19 @@ from cifar_wrn.watch import start_training
 
 def parse_args(argv=None) -> argparse.Namespace:
     # R1.1 the command line: how many nodes, which one this is, how many GPUs (processes) on it
-    p = argparse.ArgumentParser(description="Hand-written DDP training of the course WideResNet on CIFAR-10.")
-    p.add_argument("--num-nodes", type=int, default=1, help="machines taking part")  # R1.1
-    p.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1")  # R1.1
-    p.add_argument("--num-gpus", type=int, default=1, help="processes on this machine, one per GPU")  # R1.1
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address ($MASTER_ADDR)")
-    p.add_argument("--master-port", type=int, help="node 0's TCP port ($MASTER_PORT)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA, else CPU + warning")
-    p.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="as --device cpu (accel_train.py's)")
-    add_training_flags(p)
+    what = "Hand-written DDP training of the course WideResNet on CIFAR-10."
+    p = argparse.ArgumentParser(
+        description=what, epilog=launch_commands(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    launch = p.add_argument_group("launch")
+    launch.add_argument("--num-nodes", type=int, default=1, help="machines taking part")  # R1.1
+    launch.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1")  # R1.1
+    launch.add_argument("--num-gpus", type=int, default=1, help="processes on this machine, one per GPU")  # R1.1
+    launch.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address ($MASTER_ADDR)")
+    launch.add_argument("--master-port", type=int, help="node 0's TCP port ($MASTER_PORT)")
+    launch.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA, else CPU")
+    launch.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="as --device cpu")
+    add_training_flags(p, launch)
     return p.parse_args(argv)
 
 
@@ -144,6 +148,10 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
         watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
+        if args.with_tracking and run.is_main:  # beyond R1: TensorBoard events of rank 0, in --project-dir
+            from torch.utils.tensorboard import SummaryWriter  # the optional extra, checked in R1.1
+
+            watch.tracker = SummaryWriter(os.path.join(args.project_dir, watch.run_name))
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped

@@ -41,10 +41,11 @@ class _Bar(tqdm):
 
 
 class EpochBar:
-    """One epoch's steps; with show=False every method does nothing."""
+    """One epoch's steps; with show=False and no `track` every method does nothing."""
 
-    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step: int = 0, images_per_step: int = 1):
-        self.step_number, self.steps_per_epoch = start_step, steps_per_epoch
+    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step=0, images_per_step=1, track=None):
+        self.step_number, self.steps_per_epoch, self.track = start_step, steps_per_epoch, track
+        self.steps_before = (epoch - 1) * steps_per_epoch  # the global step of this epoch's first
         self._loss_sum, self._losses, self._bar = None, 0, None
         if show:
             self._bar = _Bar(
@@ -58,17 +59,21 @@ class EpochBar:
             )
 
     def step(self, loss) -> None:
-        if self._bar is None:
+        if self._bar is None and self.track is None:
             return
         self.step_number += 1
         loss = loss.detach().float()
         self._loss_sum = loss.clone() if self._loss_sum is None else self._loss_sum.add_(loss)
         self._losses += 1
-        self._bar.update(1)
+        if self._bar is not None:
+            self._bar.update(1)
         if self.step_number % CHECK_EVERY == 0 or self.step_number == self.steps_per_epoch:
-            mean = self._loss_sum.item() / self._losses
+            mean = self._loss_sum.item() / self._losses  # after the agreement's host read: no extra sync
             self._loss_sum, self._losses = None, 0
-            self._bar.set_postfix_str(f"loss={mean:.3f}")
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"loss={mean:.3f}")
+            if self.track:
+                self.track({"train_loss": mean}, self.steps_before + self.step_number)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -5,6 +5,7 @@ import os
 import socket
 import sys
 from dataclasses import replace
+from importlib.util import find_spec
 
 import torch
 
@@ -21,13 +22,17 @@ NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or au
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
 
 
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """docs/flags.md explains each."""
-    add = p.add_argument
-    add("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (default 600)")
+def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
+    """The flags after the launch group's first ones, in groups; docs/flags.md explains each."""
+    launch.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (600)")
+    add = p.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
-    add("--recipe", default="baseline", help="recipe name in recipes/ or a YAML path (default baseline)")
-    add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key (repeatable)")
+    add("--train-subset", type=int, metavar="N", help="train on the first N images only")
+    add("--val-subset", type=int, metavar="N", help="validate on the first N images only")
+    add = p.add_argument_group("recipe").add_argument
+    add("--recipe", default="baseline", help="baseline, fast, or a YAML path (default baseline)")
+    keys = "override a recipe key (repeatable); the keys: class Recipe in cifar_wrn/recipe.py"
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help=keys)
     for flag, kind, text in (
         ("epochs", int, "maximum epochs"),
         ("batch-size", int, "images per process per step"),
@@ -37,17 +42,24 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
         ("seed", int, "random seed"),
     ):
         add(f"--{flag}", type=kind, help=f"{text} (default: the recipe's)")
-    add("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
-    add("--log-json", metavar="PATH", help="the JSON-lines log (default: a new folder under runs/)")
-    add("--train-subset", type=int, metavar="N", help="train on the first N images only")
-    add("--val-subset", type=int, metavar="N", help="validate on the first N images only")
+    add = p.add_argument_group("checkpoints and resume").add_argument
     add("--checkpoint-dir", metavar="DIR", help="checkpoint each epoch and on SIGUSR1/SIGTERM")
     add("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
     add("--auto-resume", action="store_true", help="continue from DIR's checkpoint if any, else start fresh")
+    add("--save", metavar="PATH", help="write the final weights (plain WideResNet state_dict)")
+    add = p.add_argument_group("logs and diagnostics").add_argument
+    add("--log-json", metavar="PATH", help="the JSON-lines log (default: a new folder under runs/)")
+    add("--with-tracking", action="store_true", help="TensorBoard events of the epoch line and the loss")
+    add("--project-dir", default="runs", metavar="DIR", help="--with-tracking's folder, a run each (default runs/)")
     add("--profile", action="store_true", help="per epoch: time in data, forward, backward, optimizer")
     add("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
     add("--progress", choices=("auto", "on", "off"), default="auto", help="live bars (auto: on a terminal)")
-    add("--model-width", type=int, default=COURSE_WIDTH, help="tests only: never change it in a real run")
+    add("--model-width", type=int, default=COURSE_WIDTH, help=argparse.SUPPRESS)  # tests only: tiny models
+
+
+def launch_commands(doc: str) -> str:
+    """--help's epilog: the entry point's docstring from its first command on."""
+    return "commands:\n" + doc[doc.index("\n    # ") + 1 :]
 
 
 def recipe_from_args(args) -> Recipe:
@@ -84,6 +96,10 @@ def check_training_flags(args, writes_outputs: bool = True) -> None:
         raise UserError("use --resume (a checkpoint must exist) or --auto-resume, not both")
     if args.checkpoint_dir:
         check_writable(args.checkpoint_dir)
+    if args.with_tracking and not find_spec("tensorboard"):
+        raise UserError(
+            "--with-tracking writes TensorBoard events: pip install tensorboard (or the extra: .[tensorboard])"
+        )
 
 
 def launched_by_torchrun() -> bool:
@@ -205,17 +221,22 @@ def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
     cuda = torch.cuda.is_available()
     args.cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
     args.cpu |= args.device == "cpu" or args.cpu_fallback
-    # 'no' is also the launcher's default: only bf16 overrides the recipe
-    launch_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if launch_precision not in ("no", "bf16"):
-        raise UserError(
-            f"the launch asks for mixed precision {launch_precision!r}: set mixed_precision in the accelerate "
-            "config to bf16 or 'no' (the recipe's precision)"
-        )
-    args.precision_note = None
-    if launch_precision == "bf16" and recipe.precision != "bf16":
-        args.precision_note = f"the launch's mixed_precision bf16 overrides the recipe's precision {recipe.precision}"
-        recipe = replace(recipe, precision="bf16")
+    # the launch's settings, honoured or refused; 'no' is also the launcher's default: the recipe decides
+    args.launch_notes = []
+    for setting, turns_on, key, value in (
+        ("mixed_precision", "bf16", "precision", "bf16"),
+        ("dynamo_backend", "inductor", "compile", True),
+    ):
+        asked = os.environ.get(f"ACCELERATE_{setting.upper()}", "no").lower()
+        if asked not in ("no", turns_on):
+            raise UserError(
+                f"the launch asks for {setting} {asked!r}: set it to {turns_on} or 'no' (the recipe's {key})"
+            )
+        if asked == turns_on and getattr(recipe, key) != value:
+            args.launch_notes.append(
+                f"the launch's {setting} {asked} overrides the recipe's {key} {getattr(recipe, key)}"
+            )
+            recipe = replace(recipe, **{key: value})
     check_training_flags(args)
     if args.device == "cuda" and not cuda:
         raise UserError(NO_CUDA)

@@ -1,4 +1,7 @@
-"""Around the training steps, never in them: warm-up, run log, timing, --profile, --trace, bars, stop agreement."""
+"""Around the training steps, never in them: warm-up, run log, timing, --profile, --trace, bars, stop agreement,
+--with-tracking's events."""
+
+from pathlib import Path
 
 import torch
 
@@ -10,13 +13,15 @@ from .resilience import StepGuard, install_stop_handlers
 from .runlog import JsonLog, Progress, open_run_log
 from .startup import warm_up
 
+TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
+
 
 def start_training(args, recipe, run, progress: Progress) -> "Watch":
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
-    if getattr(args, "precision_note", None) and run.is_main:  # accel_train.py
-        print(f"note: {args.precision_note}", flush=True)
+    for note in getattr(args, "launch_notes", []) if run.is_main else []:  # accel_train.py's
+        print(f"note: {note}", flush=True)
     return Watch(args, run, log)
 
 
@@ -26,7 +31,7 @@ class Watch:
         self.run, self.log, self.profile = run, log, args.profile
         self.guard = StepGuard(run.rank, run.world_size, run.device)
         self.timer = PhaseTimer(run.device, enabled=args.profile, trace_dir=args.trace, rank=run.rank)
-        self.last_images = None
+        self.last_images, self.tracker = None, None  # tracker: a SummaryWriter, or an Accelerator with trackers
         if args.profile:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
@@ -35,7 +40,8 @@ class Watch:
         self.progress = progress
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
-        self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size)
+        track = self.tracker and self.track
+        self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size, track)
 
     def step_done(self, step: int, loss: torch.Tensor) -> bool:
         """True: every rank checkpoints and stops; RunStopped on a non-finite loss."""
@@ -67,6 +73,19 @@ class Watch:
             )
             print(table, flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
+        if self.tracker:
+            self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
+
+    @property
+    def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
+        return Path(self.log.file.name).parent.name
+
+    def track(self, values: dict, step: int) -> None:
+        if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
+            for tag, value in values.items():
+                self.tracker.add_scalar(tag, value, step)
+        else:  # accel_train.py's Accelerator: accelerator.log
+            self.tracker.log(values, step=step)
 
     def allreduce_estimate(self, steps_run: int) -> float:
         """Seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
@@ -82,3 +101,5 @@ class Watch:
 
     def close(self) -> None:
         self.log.close()
+        if hasattr(self.tracker, "add_scalar"):  # Accelerate's end_training closes its own
+            self.tracker.close()

@@ -253,16 +253,54 @@ def test_every_required_step_has_an_accelerate_counterpart():
     assert [n for n in range(1, 12) if not re.search(rf"\bR1\.{n}(?!\d)", doc)] == []
 
 
-def test_launch_bf16_overrides_recipe_and_other_precisions_are_refused(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+@pytest.mark.parametrize(
+    "variable, asked, key, recipe_value, launch_value",
+    [
+        ("ACCELERATE_MIXED_PRECISION", "bf16", "precision", "fp32", "bf16"),
+        ("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR", "compile", False, True),  # accelerate launch writes it upper-case
+    ],
+)
+def test_the_launch_turns_bf16_and_inductor_on_with_a_note_and_other_values_are_refused(
+    monkeypatch, variable, asked, key, recipe_value, launch_value
+):
+    """A launch setting is honoured (a note says so) or refused, never silently replaced by the recipe's."""
+    monkeypatch.setenv(variable, asked)
     args, recipe = resolve_accel_launch(accel_train.parse_args([]))
-    assert recipe.precision == "bf16" and "overrides the recipe's precision fp32" in args.precision_note
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch's default: the recipe decides
-    args, recipe = resolve_accel_launch(accel_train.parse_args(["--set", "precision=bf16"]))
-    assert recipe.precision == "bf16" and args.precision_note is None
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(UserError, match="mixed precision 'fp16'"):
-        resolve_accel_launch(accel_train.parse_args([]))
+    assert getattr(recipe, key) == launch_value
+    assert args.launch_notes == [
+        f"the launch's {variable[11:].lower()} {asked.lower()} overrides the recipe's {key} {recipe_value}"
+    ]
+    monkeypatch.setenv(variable, "no")  # accelerate launch's default: the recipe decides
+    args, recipe = resolve_accel_launch(accel_train.parse_args(["--set", f"{key}={launch_value}"]))
+    assert getattr(recipe, key) == launch_value and args.launch_notes == []
+    args, recipe = resolve_accel_launch(accel_train.parse_args([]))
+    assert getattr(recipe, key) == recipe_value
+    for other in ("fp16", "aot_eager") if key == "precision" else ("AOT_EAGER", "CUDAGRAPHS"):
+        monkeypatch.setenv(variable, other)
+        with pytest.raises(UserError, match=f"the launch asks for {variable[11:].lower()} '{other.lower()}'"):
+            resolve_accel_launch(accel_train.parse_args([]))
+
+
+@pytest.mark.slow
+def test_accelerate_launch_dynamo_backend_is_honoured_or_refused(cifar_dir, tmp_path):
+    """`accelerate launch --dynamo_backend inductor` turns the recipe's compile on (the note, the log's recipe; the
+    test runs the compiled model eagerly, TORCHDYNAMO_DISABLE=1: inductor's build on a CPU takes minutes); another
+    backend is one error line, before the process group forms."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--dynamo_backend"]
+    flags = ["accel_train.py", "--cpu", *ACCEL_TINY, *data_flags(cifar_dir, 64, 32), "--epochs", 1]
+    log = tmp_path / "log.jsonl"
+    honoured = finish(
+        start([*launch, "inductor", *flags, "--log-json", log], accel_env(TORCHDYNAMO_DISABLE=1)), TIMEOUT
+    )
+    assert honoured.returncode == 0, honoured.stderr
+    assert "note: the launch's dynamo_backend inductor overrides the recipe's compile False" in honoured.stdout
+    assert read_log(log)[0]["recipe"]["compile"] is True
+    refused = finish(start([*launch, "aot_eager", *flags], accel_env()), TIMEOUT)
+    assert refused.returncode != 0 and "Epoch" not in refused.stdout  # the launcher makes our 2 its 1
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: the launch asks for dynamo_backend 'aot_eager': set it to inductor or 'no' (the recipe's compile)"
+    ]
 
 
 @pytest.mark.parametrize(

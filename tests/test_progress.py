@@ -84,6 +84,21 @@ def test_loss_is_read_only_at_the_agreement_steps(start_step, capsys):
     assert "loss=22.000" in err and "\r" in err
 
 
+def test_tracking_without_a_bar_reads_the_loss_only_at_the_agreement_steps(capsys):
+    """--with-tracking and no bar (a batch job): the mean loss goes to the tracker at the steps the bar would read
+    it, at its global step (epoch 3 of 25 steps, resumed at step 7: 50 + 10, 50 + 20, 50 + 25); nothing is drawn."""
+    tracked = []
+    bar = bars.EpochBar(False, 3, 25, start_step=7, track=lambda values, step: tracked.append((step, values)))
+    for step in range(7, 25):
+        Spy.calls.clear()
+        bar.step(torch.tensor(float(step)).as_subclass(Spy))
+        assert set(Spy.calls) - {"item"} <= ASYNC and Spy.calls.count("item") == (step + 1 in (10, 20, 25))
+    bar.close()
+    means = [sum(range(7, 10)) / 3, sum(range(10, 20)) / 10, sum(range(20, 25)) / 5]
+    assert tracked == [(60, {"train_loss": means[0]}), (70, {"train_loss": means[1]}), (75, {"train_loss": means[2]})]
+    assert capsys.readouterr() == ("", "")
+
+
 def test_hidden_bars_write_nothing_and_touch_nothing(capsys):
     bar = bars.EpochBar(False, 1, 25, images_per_step=64)
     Spy.calls.clear()
