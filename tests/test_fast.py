@@ -26,7 +26,6 @@ from helpers import (
     data_flags,
     finish,
     pythonpath_with,
-    run,
     start,
 )
 from helpers import (
@@ -143,9 +142,7 @@ def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, 
 def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
     flip TTA, augmentation, a doubled rate for BatchNorm parameters and BatchNorm recalibration on 100 training
-    images; the reported metrics equal a single-process evaluation of the saved (EMA) weights, and
-    bench/eval_variants.py, given the last checkpoint, finds the logged number in its EMA + flip column, and
-    recalibrating again changes little."""
+    images; the reported metrics equal a single-process evaluation of the saved (EMA) weights."""
     result = run_raw(
         "--num-gpus",
         2,
@@ -163,32 +160,10 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
     check_slow_bf16_warning(result.stderr)
-    header, epochs = read_log(tmp_path / "log.jsonl")
+    header, _ = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
-    table = run(
-        [
-            sys.executable,
-            "bench/eval_variants.py",
-            "--data-dir",
-            cifar_dir,
-            "--val-subset",
-            VAL_IMAGES,
-            "--recalibrate",
-            100,
-            tmp_path / "ckpt" / "checkpoint.pt",
-        ]
-    )
-    assert table.returncode == 0, table.stderr
-    cells = [c.strip() for c in table.stdout.splitlines()[-1].strip("|").split("|")]
-    assert cells[1] == "end of epoch 2" and cells[2] != cells[4]  # raw weights and EMA differ
-    (flip_loss, flip_acc), (logged_loss, logged_acc) = [map(float, c.split(" / ")) for c in cells[5:7]]
-    assert flip_acc == logged_acc == round(epochs[-1]["val_accuracy"], 4)  # EMA + flip: the run's
-    assert flip_loss == pytest.approx(logged_loss, abs=2e-3)  # bf16: batches of another size
-    # The run had recalibrated its EMA on the same images; doing it again changes only bf16 rounding.
-    recalibrated_loss, _ = map(float, cells[7].split(" / "))
-    assert recalibrated_loss == pytest.approx(float(cells[5].split(" / ")[0]), abs=2e-2)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """Pure, single-process tests: the model, data loading and validation, recipes."""
 
 import pickle
+import re
 
 import numpy as np
 import pytest
 import torch
-from helpers import TRAIN_IMAGES, VAL_IMAGES, write_cifar
+from helpers import REPO, TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
@@ -343,6 +344,17 @@ def test_baseline_recipe_is_the_course_default():
     assert (recipe.lr_schedule, recipe.weight_decay, recipe.label_smoothing) == ("constant", 0.0, 0.0)
     assert recipe.augment and (recipe.augmentation, recipe.normalization) == ("course", "course")
     assert (recipe.lr_scaling, recipe.reference_batch_size, recipe.data_pipeline) == ("linear", 32, "dataloader")
+
+
+def test_each_recipe_key_has_one_comment_line_of_at_most_120_characters():
+    """recipes/*.yaml: a header of at most 3 comment lines, then `key: value  # what, unit, why` on one line a key;
+    the measurements and run histories behind a value live in docs/optimizations.md, not in the recipe."""
+    for path in sorted((REPO / "cifar_wrn" / "recipes").glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+        assert header <= 3, f"{path.name}: a header of {header} comment lines"
+        for line in lines[header:]:
+            assert len(line) <= 120 and re.fullmatch(r"[a-z_0-9]+: \S+ +# \S.*", line), f"{path.name}: {line!r}"
 
 
 def test_recipe_overrides_are_typed():

@@ -1,6 +1,6 @@
-"""Seeds as a measurement: bench/seeds_summary.py on synthetic JSON logs, bench/seeds.py's plans, and
-bench/sync_count.py's smoke run on the CPU (the GPU session relies on all three). Each runs as a user runs it,
-`python bench/NAME.py` (the tests import nothing from bench/)."""
+"""Seeds as a measurement: bench/time_to_target.py's --summary on synthetic JSON logs and its --seeds plans,
+bench/sync_count.py's smoke run on the CPU, and the lever lines of bench/gpu_session.sh (the GPU session relies on
+all of them). Each runs as a user runs it, `python bench/NAME.py` (the tests import nothing from bench/)."""
 
 import json
 import re
@@ -33,8 +33,8 @@ def write_log(path, seed, accuracies, recipe=None, resumed_at=None):
 
 
 def summary(*logs, flags=()) -> str:
-    """What `python bench/seeds_summary.py [flags] LOGS...` prints."""
-    result = run([sys.executable, "bench/seeds_summary.py", *flags, *logs])
+    """What `python bench/time_to_target.py --summary LOGS... [flags]` prints."""
+    result = run([sys.executable, "bench/time_to_target.py", "--summary", *logs, *flags])
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -97,16 +97,16 @@ def test_group_summarises_each_recipe_apart(tmp_path):
 @pytest.mark.slow
 def test_summary_command_line(tmp_path):
     write_log(tmp_path / "s0.jsonl", 0, [0.8, 0.86, 0.87])
-    ok = run([sys.executable, "bench/seeds_summary.py", tmp_path])
+    ok = run([sys.executable, "bench/time_to_target.py", "--summary", tmp_path])
     assert ok.returncode == 0 and "| 2 | 1 | 0.8600 |" in ok.stdout, ok.stderr
-    missing = run([sys.executable, "bench/seeds_summary.py", tmp_path / "nope.jsonl"])
+    missing = run([sys.executable, "bench/time_to_target.py", "--summary", tmp_path / "nope.jsonl"])
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
 @pytest.mark.slow
 def test_seed_plans():
     """The GPU session's lever lines (--emit); the CPU runs' commands: test_cpu_seeds_run_one_after_another..."""
-    emit = [sys.executable, "bench/seeds.py", "--emit", "--seeds"]
+    emit = [sys.executable, "bench/time_to_target.py", "--emit", "--seeds"]
     assert run([*emit, 3]).stdout.splitlines() == ["seed=0", "seed=1", "seed=2"]
     assert run([*emit, 2, "--first", 5, "--set", "ema_decay=0.98", "--set", "bn_lr_scale=8"]).stdout.splitlines() == [
         "ema_decay=0.98 bn_lr_scale=8 seed=5",
@@ -119,7 +119,7 @@ def test_cpu_seeds_run_one_after_another_and_are_summarised(cifar_dir, tmp_path)
     result = run(
         [
             sys.executable,
-            "bench/seeds.py",
+            "bench/time_to_target.py",
             "--seeds",
             2,
             "--first",
@@ -192,44 +192,13 @@ def test_sync_count_runs_the_fast_step_on_the_cpu():
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("levers", ["levers-epoch3.txt"])
-def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe(levers):
-    """bench/levers-*.txt feed bench/gpu_sweep.sh on a GPU lent for minutes: a bad key would cost a run there."""
+def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe():
+    """bench/gpu_session.sh's EPOCH3_LEVERS feed its sweep on a GPU lent for minutes: a bad key costs a run there."""
     from cifar_wrn.recipe import load_recipe, parse_set
 
-    lines = [line.split("#")[0].split() for line in (REPO / "bench" / levers).read_text().splitlines()]
+    script = (REPO / "bench" / "gpu_session.sh").read_text()
+    lines = [line.split() for line in re.search(r"^EPOCH3_LEVERS='\n(.*?)^'$", script, re.S | re.M)[1].splitlines()]
     lines = [words for words in lines if words]
     assert len(lines) >= 10 and all(any(w.startswith("seed=") for w in words) for words in lines)
     for words in lines:
         load_recipe("fast", {**parse_set(words), "batch_size": "256"})  # raises RecipeError on a bad line
-
-
-@pytest.mark.slow
-def test_the_startup_bench_times_both_variants(cifar_dir):
-    """bench/startup.py (a GPU session step): the fast recipe for 2 epochs with startup_steps 0 and 3, a row each
-    with the warm-up's seconds from the log header (0 without it) and both epochs' times."""
-    result = run(
-        [
-            sys.executable,
-            "bench/startup.py",
-            "--data-dir",
-            cifar_dir,
-            "--model-width",
-            4,
-            "--train-subset",
-            320,
-            "--val-subset",
-            101,
-            "--rounds",
-            1,
-            "--set",
-            "batch_size=16",
-            "--set",
-            "eval_batch_size=64",
-        ],
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [row[0].strip() for row in rows[1:]] == ["0", "3"], result.stdout
-    assert float(rows[1][1]) == 0 and float(rows[2][1]) > 0 and all(float(row[2]) > 0 for row in rows[1:])
