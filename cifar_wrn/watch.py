@@ -84,6 +84,7 @@ class Watch:
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
             for tag, value in values.items():
                 self.tracker.add_scalar(tag, value, step)
+            self.tracker.flush()  # as Accelerate's tracker does: a crash loses nothing logged
         else:  # accel_train.py's Accelerator: accelerator.log
             self.tracker.log(values, step=step)
 
