@@ -53,6 +53,7 @@ from helpers import (
 from torch.utils.data import DataLoader
 
 import accel_train
+import raw_ddp
 from cifar_wrn.checkpoint import read_training_state
 from cifar_wrn.cli import CPU_FALLBACK_WARNING, resolve_accel_launch
 from cifar_wrn.data import CIFAR10, load_split
@@ -801,3 +802,27 @@ def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
     check_profile(out / "log.jsonl", out / "trace")
+
+
+@pytest.mark.parametrize("module", [raw_ddp, accel_train], ids=["raw_ddp.py", "accel_train.py"])
+def test_help_groups_the_flags_and_ends_with_the_students_commands(module, capsys, monkeypatch):
+    """--help: the flags in the five groups, in order; the epilog is the docstring's commands (2 GPUs, the CPU
+    smoke run, the challenge recipe resumable), continuation lines kept; --set names where the keys are listed;
+    the tests' --model-width is not shown, yet accepted."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py"])
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    text = capsys.readouterr().out
+    titles = ["launch:", "data:", "recipe:", "checkpoints and resume:", "logs and diagnostics:", "commands:"]
+    assert [text.index(f"\n{title}\n") for title in titles] == sorted(text.index(f"\n{t}\n") for t in titles)
+    groups = dict(zip(titles, re.split(r"\n(?:" + "|".join(titles) + r")\n", text)[1:]))
+    assert "--num-gpus" in groups["launch:"] if module is raw_ddp else "--cpu" in groups["launch:"]
+    assert "--dist-timeout" in groups["launch:"] and "--train-subset" in groups["data:"]
+    assert "--set" in groups["recipe:"] and "class Recipe in cifar_wrn/recipe.py" in " ".join(text.split())
+    assert "--auto-resume" in groups["checkpoints and resume:"] and "--with-tracking" in groups["logs and diagnostics:"]
+    commands = groups["commands:"]
+    assert commands.strip() and commands in module.__doc__ and "\\\n" in commands
+    assert re.search(r"--device cpu .*\\\n\s+--train-subset 2000", commands)  # the CPU smoke run
+    assert re.search(r"--recipe fast .*--checkpoint-dir \w+ --auto-resume", commands.replace("\\\n", " "))
+    assert "--model-width" not in text and module.parse_args(["--model-width", "4"]).model_width == 4
