@@ -135,7 +135,7 @@ def port_is_free(port: int) -> bool:
 
 
 def first_job_id(count: int = 100, slot: int = 0) -> int:
-    """A first job id such that the job scripts' MASTER_PORT (10000 + job id % 20000, slurm/common.sh)
+    """A first job id such that the job scripts' MASTER_PORT (10000 + job id % 20000, slurm/job.sh)
     is free for this many jobs in a row. Clusters started side by side (one per pytest-xdist worker) pass
     their own slot (0-19): each gets its own 1000 of the 20000 ports, so their jobs' ports never meet."""
     window = (slot % 20) * 1000

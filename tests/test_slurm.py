@@ -107,6 +107,16 @@ def test_shellcheck(path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_shared_steps_stay_one_job_a_file():
+    """slurm/common.sh sources one file per job (Python environment, job and banner, data, requeue), each short
+    enough to read in one sitting."""
+    common = (SLURM / "common.sh").read_text()
+    for name in ("python_env.sh", "job.sh", "data.sh", "requeue.sh"):
+        assert f'source "$JOB_LIB/{name}"' in common, name
+    for path in SLURM.glob("*.sh"):
+        assert len(path.read_text().splitlines()) <= 250, f"{path.name}: split it by job"
+
+
 def code_lines(path: Path) -> list[str]:
     """The script without its comment lines (#SBATCH lines and shellcheck directives included)."""
     return [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
@@ -697,8 +707,40 @@ def cancel(job: Job) -> None:
     job.cluster.command("scancel", job.job_id)
 
 
-def stopped_line(log: str):
-    return re.search(r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+?);?\s", log)
+# The trainers' line after a stop (cifar_wrn/resilience.py): for the tests to read, never the job scripts.
+STOPPED = r"stopped by a signal at epoch (\d), step (\d+): checkpoint written to (\S+?);?\s"
+# The same in reworded_repo's copy: the job scripts must requeue and resume alike.
+REWORDED = r"halted on request in epoch (\d) after step (\d+), saved in (\S+?) \(test wording\)\s"
+
+
+def stopped_line(log: str, wording: str = STOPPED):
+    return re.search(wording, log)
+
+
+def reworded_repo(tmp_path: Path) -> Path:
+    """A copy of the repository (its tracked and unignored files) whose trainers word their stop line otherwise
+    (REWORDED): a job submitted from it shows that the scripts' requeue does not read the trainers' wording."""
+    copy = tmp_path / "repo"
+    listed = run(["git", "-C", REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard"], timeout=60)
+    for name in filter(None, listed.stdout.split("\0")):
+        source, target = REPO / name, copy / name
+        if source.is_file() or source.is_symlink():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target, follow_symlinks=False)
+    path = copy / "cifar_wrn" / "resilience.py"
+    text = path.read_text()
+    reworded = text.replace(
+        'f"stopped by a signal at epoch {epoch + 1}, step {step + 1}"',
+        'f"halted on request in epoch {epoch + 1} after step {step + 1}"',
+    ).replace(
+        'f"{where}: checkpoint written to {checkpoint_written}; rerun with --resume to continue"',
+        'f"{where}, saved in {checkpoint_written} (test wording)"',
+    )
+    assert reworded.count("halted on request") == 1 and "(test wording)" in reworded, (
+        "cifar_wrn/resilience.py words its stop line otherwise now: update reworded_repo and STOPPED"
+    )
+    path.write_text(reworded)
+    return copy
 
 
 # A stand-in for the training, for the batch-shell side: it waits for SIGUSR1 (or SIGTERM) and then
@@ -715,6 +757,7 @@ LOG=$RUN_DIR/train.log
 mkdir -p "$RUN_DIR"
 preemption_setup
 echo "run ${SLURM_RESTART_COUNT:-0}, checkpoint args: ${RESUME_ARGS[*]}"
+echo $$ > "$RUN_DIR/shell.pid"
 run_preemptable "$PYTHON" -c '
 import os, pathlib, signal, sys, time
 if os.environ.get("SLURM_RESTART_COUNT"):
@@ -726,7 +769,7 @@ def stop(*_):  # scancel sends SIGTERM, and the shell passes a SIGUSR1 on: the f
     sys.exit(75)
 signal.signal(signal.SIGUSR1, stop)
 signal.signal(signal.SIGTERM, stop)
-pathlib.Path(os.environ["RUN_DIR"], "ready").touch()
+pathlib.Path(os.environ["RUN_DIR"], "ready").write_text(str(os.getpid()))
 time.sleep(100)
 '
 """
@@ -757,23 +800,53 @@ def test_sigusr1_requeues_and_the_requeued_run_continues(cluster, tmp_path):
     assert not job.leftovers
 
 
+def process_state(pid: int) -> str:
+    """The state letter in /proc/<pid>/stat (R, S, T: stopped, Z: exited, not yet reaped), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1]
+    except FileNotFoundError:
+        return "gone"
+
+
 @pytest.mark.slow
-def test_scancel_is_passed_on_but_not_requeued(cluster, tmp_path):
-    """scancel: SIGTERM to the batch shell (and to the training itself); the shell passes a stop on,
-    the training exits 75, but the job is not requeued (that would undo the scancel): it ends
-    cancelled, saying how to continue from the checkpoint."""
+@pytest.mark.parametrize("first", ["training", "shell"])
+def test_scancel_is_passed_on_but_not_requeued_whichever_hears_it_first(cluster, tmp_path, first):
+    """scancel sends SIGTERM to every process of the job: here the test sends it to the stand-in training and to
+    the batch shell, one after the other, in a chosen order. The job must end alike either way: the training
+    exits 75, the shell says so and does not requeue (that would undo the scancel), saying how to continue.
+    "training": the shell is stopped (SIGSTOP) while the training takes its SIGTERM and exits, and gets its own
+    SIGTERM before it goes on (SIGCONT), so its trap runs after the training has ended. "shell": the training is
+    stopped while the shell's trap runs (it passes SIGUSR1 on), then gets its own SIGTERM and goes on."""
     script = write_script(tmp_path, PREEMPT_PROBE)
 
     def stop(job):
-        wait_for(job.run_dir / "ready", "the stand-in training's start", job)
-        cancel(job)
+        ready = job.run_dir / "ready"
+        wait_for(ready, "the stand-in training's start", job)
+        while not ready.read_text():  # its process id, being written
+            time.sleep(0.05)
+        training, shell = int(ready.read_text()), int((job.run_dir / "shell.pid").read_text())
+        if first == "training":
+            os.kill(shell, signal.SIGSTOP)
+            os.kill(training, signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while process_state(training) not in ("Z", "gone") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert process_state(training) in ("Z", "gone"), "the stand-in did not exit on SIGTERM"
+            os.kill(shell, signal.SIGTERM)
+            os.kill(shell, signal.SIGCONT)
+        else:
+            os.kill(training, signal.SIGSTOP)
+            os.kill(shell, signal.SIGTERM)
+            wait_for(job.run_dir / "train.log", "the shell's trap", job, text="SIGTERM received; passed on")
+            os.kill(training, signal.SIGTERM)
+            os.kill(training, signal.SIGCONT)
 
     job = sbatch(cluster, tmp_path, script, timeout=90, during=stop)
     out = job.output
-    assert job.state == "CANCELLED" and job.restarts == 0, job.describe()
-    assert "SIGTERM received;" in out and "stopped after" in out, job.describe()
+    assert job.state == "FAILED" and job.exit_status == 75 and job.restarts == 0, job.describe()
+    assert "SIGTERM received;" in out and f"job {job.job_id} stopped after" in out, job.describe()
     assert "not requeued after SIGTERM" in out and f"CHECKPOINT_DIR={job.run_dir / 'checkpoints'}" in out
-    assert "run 1" not in out and not job.leftovers, job.describe()
+    assert "run 1" not in out and "FAILED" not in out and not job.leftovers, job.describe()
 
 
 @pytest.mark.slow
@@ -802,31 +875,39 @@ PREEMPT_TINY = "--model-width 4 --train-subset 320 --val-subset 101 --batch-size
 ACCEL_PREEMPT_TINY = PREEMPT_TINY.replace("--batch-size 4", "--batch-size 2")
 
 
-def signalled_job(cluster, tmp_path, cifar_dir, name, *options, action, extra_args) -> Job:
-    """slurm/<name>.sbatch with `options`, training as `extra_args` say; action(job) once its first epoch is logged."""
+def signalled_job(cluster, tmp_path, cifar_dir, name, *options, action, extra_args, repo=REPO) -> Job:
+    """<repo>/slurm/<name>.sbatch submitted from `repo` with `options`, training as `extra_args` say; action(job)
+    once its first epoch is logged."""
 
     def during(job):
         wait_for(job.run_dir / "log.jsonl", "the first epoch", job, text='"kind": "epoch"')
         action(job)
 
     return sbatch(
-        cluster, tmp_path, SLURM / f"{name}.sbatch", *options, during=during, DATA_SRC=cifar_dir, EXTRA_ARGS=extra_args
+        cluster,
+        tmp_path,
+        repo / "slurm" / f"{name}.sbatch",
+        *options,
+        cwd=repo,
+        during=during,
+        DATA_SRC=cifar_dir,
+        EXTRA_ARGS=extra_args,
     )
 
 
-def check_requeued_and_resumed(job: Job, steps_per_epoch: int) -> re.Match:
+def check_requeued_and_resumed(job: Job, steps_per_epoch: int, wording: str = STOPPED) -> re.Match:
     """The job stopped for the signal with a checkpoint (in epoch 2, or 3), requeued itself once, and
     its second run resumed at that step and finished the 3 epochs, appending to the same logs."""
     assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 1, job.describe()
     log = job.log
-    stopped = stopped_line(log)
+    stopped = stopped_line(log, wording)
     assert stopped, job.describe()
     assert f"job {job.job_id} stopped after" in log, log  # status 75, or taken as 75 from the training's line
     assert log.count(f"job {job.job_id} requeued") == 1 and "restart 1: this job was requeued" in log, log
     epoch, step, where = stopped.groups()
     assert epoch in ("2", "3"), log
     assert f"Resuming from {where}: epoch {epoch}, step {step} of {steps_per_epoch}" in log, log
-    assert log.index("stopped by a signal") < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
+    assert stopped.start() < log.index(f"job {job.job_id} requeued") < log.index("Resuming from")
     assert f"job {job.job_id} finished" in log
     records = [json.loads(line) for line in (job.run_dir / "log.jsonl").read_text().splitlines()]
     headers = [r for r in records if r["kind"] == "header"]
@@ -842,34 +923,50 @@ def check_requeued_and_resumed(job: Job, steps_per_epoch: int) -> re.Match:
 def test_preempted_multinode_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir):
     """raw_multinode.sbatch on 2 nodes: SIGUSR1 to the batch shell after the first epoch. The shell
     passes it to srun, srun to both nodes' launchers and ranks; rank 0 writes the checkpoint, the
-    training exits 75, the script requeues the job; the second run resumes from the checkpoint in the
-    middle of epoch 2 and finishes."""
+    training exits 75 (srun may report another status: the new checkpoint makes it 75), the script requeues
+    the job; the second run resumes from the checkpoint in the middle of epoch 2 and finishes. Submitted
+    from reworded_repo's copy: the script reads no message of the trainer's."""
+    repo = reworded_repo(tmp_path)
     job = signalled_job(
-        cluster, tmp_path, cifar_dir, "raw_multinode", "--gres=gpu:1", action=preempt, extra_args=PREEMPT_TINY
+        cluster,
+        tmp_path,
+        cifar_dir,
+        "raw_multinode",
+        "--gres=gpu:1",
+        action=preempt,
+        extra_args=PREEMPT_TINY,
+        repo=repo,
     )
-    stopped = check_requeued_and_resumed(job, steps_per_epoch=40)
+    stopped = check_requeued_and_resumed(job, steps_per_epoch=40, wording=REWORDED)
     assert stopped.group(3) == str(job.run_dir / "checkpoints" / "checkpoint.pt"), job.log
     assert "SIGUSR1 received; passed on to the training as SIGUSR1" in job.log
     assert (job.run_dir / "checkpoints" / "checkpoint.pt").is_file()
+    assert not stopped_line(job.log) and f"repo: {repo}," in job.log, job.log  # the copy's trainer, reworded
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, options",
+    "name, options, reworded",
     [
-        ("accel_multinode", ["--gres=gpu:1"]),
-        ("accel_2gpu", []),
+        ("accel_multinode", ["--gres=gpu:1"], False),
+        ("accel_2gpu", [], True),
     ],
 )
-def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_path, cifar_dir, name, options):
+def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(
+    cluster, tmp_path, cifar_dir, name, options, reworded
+):
     """An accel_* script: SIGUSR1 to the batch shell after the first epoch. The shell must not pass
     SIGUSR1 on (it would kill `accelerate launch`): it writes "stop" into runs/<job id>/stop-request,
     launch_stoppable on each node sends its accelerate launch SIGTERM, the launcher passes it to its
     ranks, which write a checkpoint (DIR/LATEST) and exit 75; accelerate launch fails (1 or 143), the script
-    reads the training's "stopped by a signal ... checkpoint written" line, requeues the job, and the
-    second run resumes at that step and finishes."""
-    job = signalled_job(cluster, tmp_path, cifar_dir, name, *options, action=preempt, extra_args=ACCEL_PREEMPT_TINY)
-    stopped = check_requeued_and_resumed(job, steps_per_epoch=80)
+    sees the new LATEST, takes the status as 75, requeues the job, and the second run resumes at that step and
+    finishes. accel_2gpu is submitted from reworded_repo's copy: the script reads no message of the trainer's."""
+    repo = reworded_repo(tmp_path) if reworded else REPO
+    wording = REWORDED if reworded else STOPPED
+    job = signalled_job(
+        cluster, tmp_path, cifar_dir, name, *options, action=preempt, extra_args=ACCEL_PREEMPT_TINY, repo=repo
+    )
+    stopped = check_requeued_and_resumed(job, steps_per_epoch=80, wording=wording)
     checkpoints = job.run_dir / "checkpoints"
     log = job.log
     assert f"checkpoints: {checkpoints} (a requeued run resumes from there)" in log, log
@@ -879,6 +976,8 @@ def test_preempted_accelerate_job_checkpoints_requeues_and_resumes(cluster, tmp_
     assert Path(stopped.group(3)).parent == checkpoints, log
     assert "taken as status 75" in log and "stopped after" in log, log  # accelerate launch itself fails
     assert (checkpoints / "LATEST").is_file()
+    if reworded:
+        assert not stopped_line(log) and f"repo: {repo}," in log, log  # the copy's trainer, reworded
 
 
 @pytest.mark.slow
@@ -911,7 +1010,7 @@ def test_cancelled_multinode_job_checkpoints_and_is_not_requeued(
 
 # The accel_* side, with a stand-in for `accelerate launch` on 2 nodes, run through launch_stoppable
 # as accel_multinode.sbatch does: SIGUSR1 would kill it (as it kills accelerate launch); on SIGTERM
-# node 0's prints the training's "checkpoint written" line, and both exit 1.
+# node 0's writes a new checkpoints/LATEST, and both exit 1.
 ACCEL_PREEMPT_PROBE = """#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --requeue
@@ -930,8 +1029,11 @@ run_preemptable srun --kill-on-bad-exit=1 \\
 import os, pathlib, signal, sys, time
 node = os.environ["SLURM_NODEID"]
 def term(*_):
-    if node == "0":  # split: the echoed command line must not match
-        print("stopped by a " + "signal at epoch 1, step 10: checkpoint written to somewhere; rerun", flush=True)
+    if node == "0":  # a new checkpoint, as accel_train.py publishes one once every rank has saved
+        folder = pathlib.Path(os.environ["RUN_DIR"], "checkpoints")
+        folder.mkdir(exist_ok=True)
+        (folder / "LATEST.tmp").write_text("state-1\\n")
+        os.replace(folder / "LATEST.tmp", folder / "LATEST")
     print(f"stand-in {node} got " + "SIGTERM", flush=True)
     sys.exit(1)
 signal.signal(signal.SIGTERM, term)
@@ -949,8 +1051,8 @@ time.sleep(100)
 def test_accel_stop_goes_through_the_stop_file(cluster, tmp_path, how):
     """accel_*-style script on 2 nodes. Preemption (SIGUSR1 to the batch shell): never passed on as a
     signal (SIGUSR1 would kill accelerate launch), but written into the stop file; launch_stoppable
-    on each node sends its launcher SIGTERM; the launchers exit 1, the training's "checkpoint
-    written" line makes that status 75, and the job requeues (the second run finishes). scancel
+    on each node sends its launcher SIGTERM; the launchers exit 1, the new checkpoints/LATEST makes
+    that status 75, and the job requeues (the second run finishes). scancel
     (SIGTERM to every process): the launchers get it from Slurm directly; status 75 again; no requeue."""
     script = write_script(tmp_path, ACCEL_PREEMPT_PROBE)
 
