@@ -65,17 +65,17 @@ def _device_problem(saved_on: str, running_on: str) -> None:
 
 
 def _state(run, progress, finished: bool, recipe: dict, model_width: int, **more) -> dict:
-    return {
-        **progress.as_dict(),
-        "finished": finished,
-        "recipe": recipe,
-        "world_size": run.world_size,
-        "model_width": model_width,
-        "architecture": ARCHITECTURE,
+    return dict(
+        progress.as_dict(),
+        finished=finished,
+        recipe=recipe,
+        world_size=run.world_size,
+        model_width=model_width,
+        architecture=ARCHITECTURE,
         **run.data.sizes(),
-        "ema": None if run.ema is None else run.ema.state_dict(),
+        ema=None if run.ema is None else run.ema.state_dict(),
         **more,
-    }
+    )
 
 
 def raw_state(run, progress, finished: bool, every_rng: list, recipe: dict, model_width: int) -> dict:

@@ -22,8 +22,18 @@ NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or au
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
 
 
+RECIPE_FLAGS = dict(
+    epochs=(int, "maximum epochs"),
+    batch_size=(int, "images per process per step"),
+    base_lr=(float, "learning rate at the reference batch size"),
+    target_accuracy=(float, "validation accuracy to reach"),
+    patience=(int, "consecutive epochs at the target before stopping"),
+    seed=(int, "random seed"),
+)
+
+
 def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
-    """The flags after the launch group's first ones, in groups; docs/flags.md explains each."""
+    """The other flags; docs/flags.md explains each."""
     launch.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (600)")
     add = p.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
@@ -33,15 +43,8 @@ def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
     add("--recipe", default="baseline", help="baseline, fast, or a YAML path (default baseline)")
     keys = "override a recipe key (repeatable); the keys: class Recipe in cifar_wrn/recipe.py"
     add("--set", action="append", default=[], metavar="KEY=VALUE", help=keys)
-    for flag, kind, text in (
-        ("epochs", int, "maximum epochs"),
-        ("batch-size", int, "images per process per step"),
-        ("base-lr", float, "learning rate at the reference batch size"),
-        ("target-accuracy", float, "validation accuracy to reach"),
-        ("patience", int, "consecutive epochs at the target before stopping"),
-        ("seed", int, "random seed"),
-    ):
-        add(f"--{flag}", type=kind, help=f"{text} (default: the recipe's)")
+    for key, (kind, text) in RECIPE_FLAGS.items():
+        add(f"--{key.replace('_', '-')}", type=kind, help=f"{text} (default: the recipe's)")
     add = p.add_argument_group("checkpoints and resume").add_argument
     add("--checkpoint-dir", metavar="DIR", help="checkpoint each epoch and on SIGUSR1/SIGTERM")
     add("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
@@ -64,8 +67,7 @@ def launch_commands(doc: str) -> str:
 
 def recipe_from_args(args) -> Recipe:
     """The recipe file, then --set, then the dedicated flags."""
-    flags = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience", "seed")
-    dedicated = {f: v for f in flags if (v := getattr(args, f)) is not None}
+    dedicated = {key: v for key in RECIPE_FLAGS if (v := getattr(args, key)) is not None}
     return load_recipe(args.recipe, {**parse_set(args.set), **dedicated})
 
 
@@ -132,14 +134,9 @@ def local_world_size(default: int) -> int:
 
 
 def launcher_name() -> str:
-    env = os.environ  # accelerate launch runs torchrun inside: asked first
-    return (
-        "accelerate launch"
-        if "ACCELERATE_DYNAMO_BACKEND" in env
-        else "torchrun"
-        if "TORCHELASTIC_RUN_ID" in env
-        else "python"
-    )
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # asked first: accelerate launch runs torchrun inside
+        return "accelerate launch"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
 
 
 def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:

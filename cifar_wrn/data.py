@@ -39,14 +39,13 @@ def how_to_provide(data_dir) -> str:
     folder = Path(data_dir) / FOLDER
     if (Path(data_dir) / TRAIN_FILES[0]).is_file():
         return (
-            f"CIFAR-10 is not in {folder}: {data_dir} holds {TRAIN_FILES[0]} itself, so it is that folder; "
-            f"--data-dir takes the one above it: --data-dir {Path(data_dir).resolve().parent}"
+            f"CIFAR-10 is not in {folder}: {data_dir} holds {TRAIN_FILES[0]} itself; --data-dir takes the folder "
+            f"above it: --data-dir {Path(data_dir).resolve().parent}"
         )
     return (
-        f"CIFAR-10 is not in {folder}. Provide it in the official python layout "
-        f"(cifar-10-batches-py/data_batch_1..5, test_batch): extract the official cifar-10-python.tar.gz into "
-        f"{data_dir}, or copy a folder in that layout there; with internet the first run downloads the archive "
-        f"(CIFAR10_URL=<url> for a mirror of it)."
+        f"CIFAR-10 is not in {folder}: extract the official cifar-10-python.tar.gz into {data_dir}, or copy a "
+        f"{FOLDER}/ there (data_batch_1..5, test_batch); with internet the first run downloads it (CIFAR10_URL=<url> "
+        "for a mirror)."
     )
 
 
@@ -68,8 +67,7 @@ class RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
-def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
-    """How protocol 0-2 pickles rebuild bytes."""
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:  # how protocol 0-2 pickles rebuild bytes
     if encoding != "latin1":
         raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
@@ -131,9 +129,9 @@ def _labels(path: Path, labels) -> torch.Tensor:
     if values.numel() and (
         values.dim() != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool
     ):
-        kinds = sorted({type(v).__name__ for v in labels}) if isinstance(labels, (list, tuple)) else []
-        found = f"a {type(labels).__name__} of {', '.join(kinds)}" if kinds else type(labels).__name__
-        raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {found}")
+        kinds = {type(v).__name__ for v in labels} if isinstance(labels, (list, tuple)) else ()
+        found = f" of {', '.join(sorted(kinds))}" if kinds else ""
+        raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {type(labels).__name__}{found}")
     return values.to(torch.int64)
 
 

@@ -19,7 +19,13 @@ def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
             f"{recipe.batch_size} per process"
         )
     _recalibration_images(recipe, images, world_size)
-    return make_datasets(train_data, val_data, recipe, run.device, run.rank)
+    common = dict(normalization=recipe.normalization)
+    if recipe.data_pipeline == "device":
+        common.update(device=run.device, channels_last=recipe.channels_last)
+        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + run.rank, **common)
+        return train, DeviceBatches(*val_data, augment=False, **common)
+    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
+    return train, CIFAR10(*val_data, augment=False, **common)
 
 
 def _recalibration_images(recipe, images: int, world_size: int) -> int:
@@ -29,16 +35,6 @@ def _recalibration_images(recipe, images: int, world_size: int) -> int:
             f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size})"
         )
     return used
-
-
-def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
-    common = dict(normalization=recipe.normalization)
-    if recipe.data_pipeline == "device":
-        common.update(device=device, channels_last=recipe.channels_last)
-        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + rank, **common)
-        return train, DeviceBatches(*val_data, augment=False, **common)
-    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
-    return train, CIFAR10(*val_data, augment=False, **common)
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:

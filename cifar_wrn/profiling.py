@@ -63,7 +63,7 @@ class PhaseTimer:
         return out
 
 
-def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None, epoch: int) -> str:
+def profile_table(profile: dict, epoch_time: float, comm_estimate: float, epoch: int) -> str:
     names = (
         "data (waiting for the next batch)",
         "forward",
@@ -72,9 +72,10 @@ def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None,
         "other (LR, EMA, step agreement)",
     )
     rows = [*zip(names, (profile[p] for p in PHASES))]
-    rows.append(("sum of the parts / epoch time", sum(profile[p] for p in PHASES)))
-    if comm_estimate is not None:
-        rows.append(("all-reduce cost estimate (no_sync)", comm_estimate))
+    rows += [
+        ("sum of the parts / epoch time", sum(profile.values())),
+        ("all-reduce cost estimate (no_sync)", comm_estimate),
+    ]
     lines = [f"    {name:36s}{seconds:8.3f}  {100 * seconds / epoch_time:5.1f}%" for name, seconds in rows]
     return "\n".join([f"  Profile of epoch {epoch} (rank 0)          seconds   share", *lines])
 
@@ -86,23 +87,25 @@ def synchronized_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, repeats: int = 3) -> float:
-    """Seconds the all-reduce adds to a backward (with vs without no_sync); state restored."""
-    buffers, seconds = [b.clone() for b in raw_model.buffers()], []
+def allreduce_cost(run, images: torch.Tensor, repeats: int = 3) -> float:
+    """Seconds DDP's all-reduce adds to a backward of `images` (with vs without no_sync); state restored."""
+    labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
+    device, buffers, seconds = run.device, [b.clone() for b in run.raw_model.buffers()], []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for context in (contextlib.nullcontext, no_sync):
+            for context in (contextlib.nullcontext, run.ddp.no_sync):
                 best = float("inf")
                 for _ in range(repeats):
                     with context():
-                        loss = forward()
+                        with torch.autocast(**run.autocast):
+                            loss = run.criterion(run.model(images), labels)
                         t0 = synchronized_clock(device)
-                        backward(loss)
+                        loss.backward()
                         best = min(best, synchronized_clock(device) - t0)
                 seconds.append(best)
-                zero_grad(set_to_none=True)
+                run.model.zero_grad(set_to_none=True)
     finally:
         with torch.no_grad():
-            for saved, buffer in zip(buffers, raw_model.buffers()):
+            for saved, buffer in zip(buffers, run.raw_model.buffers()):
                 buffer.copy_(saved)
     return max(seconds[0] - seconds[1], 0.0)

@@ -183,12 +183,7 @@ def check_recipe(r: Recipe) -> None:
         raise RecipeError("invalid recipe: " + "; ".join(problems))
 
 
-def as_dict(recipe: Recipe) -> dict:
-    return asdict(recipe)
-
-
-def autocast_options(recipe: Recipe, device) -> dict:
-    return dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
+as_dict = asdict  # a Recipe as {key: value}
 
 
 def memory_format(recipe: Recipe) -> torch.memory_format:

@@ -140,10 +140,9 @@ def latest_checkpoint(directory) -> str | None:
         name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
     folder = os.path.join(directory, name or "")
     if name is None or not STATE_FOLDER.fullmatch(name) or os.path.islink(folder):
+        what = "is not a regular file" if name is None else f"names {name!r}"
         raise CheckpointError(
-            f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
-            f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> folder of "
-            f"{directory}: refused. Remove {LATEST}"
+            f"{pointer} {what}, not a state-<n> folder (no link) of {directory}: refused. Remove {LATEST}"
         )
     return folder if os.path.isdir(folder) else None
 

@@ -1,5 +1,4 @@
-"""Around the training steps, never in them: warm-up, run log, timing, --profile, --trace, bars, stop agreement,
---with-tracking's events."""
+"""Around the training steps, never in them: warm-up, run log, timing, profiles, bars, stops, tracking."""
 
 from pathlib import Path
 
@@ -58,20 +57,17 @@ class Watch:
         """The epoch's training time."""
         self.bar.close()
         epoch_time = self.seconds()
+        profile = self.timer.totals()  # also stops --trace's profiler
         self.extras = {}
-        if self.profile:
-            steps_run = self.run.data.steps_per_epoch - self.progress.step
-            self.extras = {"profile": self.timer.totals(), "comm_estimate": self.allreduce_estimate(steps_run)}
-        else:
-            self.timer.totals()  # stops --trace's profiler
+        if self.profile:  # with DDP's all-reduce time in the epoch, timed again on the last batch
+            run, images, steps = self.run, self.last_images, self.run.data.steps_per_epoch - self.progress.step
+            comm = steps * allreduce_cost(run, images) if run.ddp is not None and images is not None and steps else 0.0
+            self.extras = {"profile": profile, "comm_estimate": comm}
         return epoch_time
 
     def log_epoch(self, metrics: dict) -> None:
         if self.profile and self.run.is_main:
-            table = profile_table(
-                self.extras["profile"], metrics["epoch_time"], self.extras["comm_estimate"], metrics["epoch"]
-            )
-            print(table, flush=True)
+            print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
         if self.tracker:
             self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
@@ -86,18 +82,6 @@ class Watch:
                 self.tracker.add_scalar(tag, value, step)
         else:  # accel_train.py's Accelerator: accelerator.log
             self.tracker.log(values, step=step)
-
-    def allreduce_estimate(self, steps_run: int) -> float:
-        """Seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
-        run, images = self.run, self.last_images
-        if run.ddp is None or images is None or not steps_run:
-            return 0.0
-        labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
-        forward = torch.autocast(**run.autocast)(lambda: run.criterion(run.model(images), labels))
-        backward, model = torch.Tensor.backward, run.model
-        return steps_run * allreduce_cost(
-            forward, backward, run.ddp.no_sync, model.zero_grad, run.raw_model, run.device
-        )
 
     def close(self) -> None:
         self.log.close()
