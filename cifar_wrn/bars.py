@@ -22,7 +22,7 @@ class _Bar(tqdm):
         super().__init__(*args, file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
         _open_bars.add(self)
 
-    def _sized(self) -> None:
+    def _sized(self):
         if self.ncols is not None and self.ncols <= 0:
             self.ncols, self.nrows = DEFAULT_COLUMNS, None
 
@@ -58,7 +58,7 @@ class EpochBar:
                 desc=f"epoch {epoch}",
             )
 
-    def step(self, loss) -> None:
+    def step(self, loss):
         if self._bar is None and self.track is None:
             return
         self.step_number += 1
@@ -75,7 +75,7 @@ class EpochBar:
             if self.track:
                 self.track({"train_loss": mean}, self.steps_before + self.step_number)
 
-    def close(self) -> None:
+    def close(self):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -88,7 +88,7 @@ def validation_bar(show: bool, loader):
 
 
 @before_report
-def close_all() -> None:
+def close_all():
     """An error message then starts on a clean line."""
     for bar in list(_open_bars):
         bar.close()

@@ -40,7 +40,7 @@ def load_checkpoint(directory) -> dict:
     return load_data_only(path, RAW_KEYS)
 
 
-def write_folder(save_state, folder, state: dict | None) -> None:
+def write_folder(save_state, folder, state: dict | None):
     save_state(folder)
     if state is not None:
         torch.save(state, Path(folder) / TRAINING_STATE)
@@ -56,7 +56,7 @@ def read_training_state(folder) -> dict:
     return load_data_only(folder / TRAINING_STATE, ACCEL_KEYS)
 
 
-def _device_problem(saved_on: str, running_on: str) -> None:
+def _device_problem(saved_on: str, running_on: str):
     if saved_on != running_on:
         raise CheckpointError(
             f"it was written by a run on {saved_on}, this run is on {running_on}: its random states do not carry "
@@ -95,7 +95,7 @@ def resuming_line(where, progress, steps_per_epoch: int, finished: bool) -> str:
     return line + ("\nNothing to do: that run had already finished" if finished else "")
 
 
-def restore_raw(checkpoint: dict, run) -> None:
+def restore_raw(checkpoint: dict, run):
     with _loading("its part of the checkpoint"):
         rng, device = checkpoint["rng"][run.rank], run.device
         _device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
@@ -110,7 +110,7 @@ def restore_raw(checkpoint: dict, run) -> None:
             run.data.generator.set_state(rng["pipeline"])
 
 
-def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator) -> None:
+def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator):
     """The random-state file is checked first: load_state would only log a bad one."""
     from accelerate.utils import load as accelerate_load  # allows numpy's RNG types
 

@@ -32,7 +32,7 @@ RECIPE_FLAGS = dict(
 )
 
 
-def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
+def add_training_flags(p: argparse.ArgumentParser, launch):
     """The other flags; docs/flags.md explains each."""
     launch.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (600)")
     add = p.add_argument_group("data").add_argument
@@ -78,13 +78,13 @@ def show_progress(args, is_main: bool) -> bool:
         return False
 
 
-def at_least_one(args, *flags: str) -> None:
+def at_least_one(args, *flags: str):
     for flag in flags:
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
 
 
-def check_training_flags(args, writes_outputs: bool = True) -> None:
+def check_training_flags(args, writes_outputs: bool = True):
     """`writes_outputs`: this process writes --save and --log-json."""
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
     if args.dist_timeout <= 0:
@@ -159,7 +159,7 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
     return None
 
 
-def check_launch(args, cuda_device_count: int) -> None:
+def check_launch(args, cuda_device_count: int):
     at_least_one(args, "num_nodes", "num_gpus")
     if not 0 <= args.node_id < args.num_nodes:
         raise UserError(

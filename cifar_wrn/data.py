@@ -225,7 +225,7 @@ class SkipFirst(Sampler):
         return len(self.batches) - self.skip
 
 
-def ignore_stop_signal(worker_id: int) -> None:
+def ignore_stop_signal(worker_id: int):
     """Slurm signals every process of a step; the stop is for the ranks."""
     import signal
 

@@ -22,7 +22,7 @@ class WarmedUpEMA(AveragedModel):
         self.decay, self.updates = decay, 0
 
     @torch.no_grad()
-    def update_parameters(self, model: nn.Module) -> None:
+    def update_parameters(self, model: nn.Module):
         averaged = [*self.module.parameters(), *self.module.buffers()]
         current = [t.detach() for t in (*model.parameters(), *model.buffers())]
         if self.updates == 0:
@@ -48,7 +48,7 @@ build_ema = WarmedUpEMA
 
 
 @torch.no_grad()
-def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average) -> None:
+def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average):
     """fork_rng: update_bn's Dropout must not draw from the training's stream."""
     if not batches:
         return

@@ -42,7 +42,7 @@ def agreed_problem(problems: list) -> str | None:
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
-def run_reporting_failures(train, rank, lost_contact_types: tuple = ()) -> None:
+def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
     """train(), any failure reported by its rank, with an exit status."""
     say = lambda text: print(text, file=sys.stderr, flush=True)
     try:

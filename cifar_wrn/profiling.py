@@ -34,14 +34,14 @@ class PhaseTimer:
         self.marks = [(None, self._now())] if self.enabled else []
         return t0
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         """Marks from hooks: the training step itself carries no timer."""
         model.register_forward_pre_hook(lambda *_: self.mark("data"))
         model.register_forward_hook(lambda *_: self.mark("forward"))
         optimizer.register_step_pre_hook(lambda *_: self.mark("backward"))
         optimizer.register_step_post_hook(lambda *_: self.mark("optimizer"))
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str):
         """Ends `phase`."""
         if self.enabled:
             self.marks.append((phase, self._now()))

@@ -28,9 +28,9 @@ class Recipe:
     # --- batch and learning rate
     batch_size: int = 32  # images per process per step
     base_lr: float = 0.01
-    lr_scaling: str = "linear"  # linear | none
+    lr_scaling: str = "linear"  # or none
     reference_batch_size: int = 32  # global batch of base_lr
-    lr_schedule: str = "constant"  # constant | warmup_linear (decays to 0)
+    lr_schedule: str = "constant"  # warmup_linear decays to 0
     warmup_epochs: float = 0.0
     # --- optimizer and loss
     momentum: float = 0.0
@@ -40,14 +40,14 @@ class Recipe:
     grad_clip_norm: float = 0.0  # max global gradient norm
     bn_lr_scale: float = 1.0  # lr multiplier for BN parameters
     # --- numerics and data
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # bf16: autocast
     channels_last: bool = False
     cudnn_benchmark: bool = False
     startup_steps: int = 0  # synthetic steps before the clock, undone after
-    data_pipeline: str = "dataloader"  # dataloader | device (dataset on device)
+    data_pipeline: str = "dataloader"  # device: the dataset on the device
     augment: bool = True
-    augmentation: str = "crop_flip"  # crop_flip | course (its transform_train)
-    normalization: str = "cifar"  # cifar (mean/std) | course (0.5, 0.5)
+    augmentation: str = "crop_flip"  # course: its transform_train
+    normalization: str = "cifar"  # cifar: its mean/std; course: 0.5, 0.5
     num_workers: int = 4
     eval_batch_size: int = 500  # per process
     seed: int = 0  # + rank for augmentation
@@ -55,7 +55,7 @@ class Recipe:
     ema_decay: float = 0.0  # evaluate an EMA of the weights
     ddp_bucket_view: bool = False
     ddp_static_graph: bool = False
-    grad_compression: str = "none"  # none | bf16
+    grad_compression: str = "none"
     sync_bn: bool = False
     compile: bool = False
     tta_flip: bool = False  # changes the metric
@@ -152,11 +152,11 @@ def parse_set(items: list[str]) -> dict:
     return out
 
 
-def check_recipe(r: Recipe) -> None:
+def check_recipe(r: Recipe):
     """Ranges only: _coerce refused the values that are not finite."""
     problems = []
 
-    def need(keys, ok, what: str) -> None:
+    def need(keys, ok, what: str):
         problems.extend(f"{k} {what} (got {getattr(r, k)!r})" for k in keys.split() if not ok(getattr(r, k)))
 
     need("epochs batch_size patience reference_batch_size eval_batch_size", lambda v: v >= 1, "must be >= 1")

@@ -67,10 +67,8 @@ class Progress:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def mid_epoch(self, steps_done: int, seconds: float, train_correct: int, train_seen: int) -> "Progress":
-        return replace(
-            self, step=steps_done, epoch_time_so_far=seconds, train_correct=train_correct, train_seen=train_seen
-        )
+    def mid_epoch(self, steps_done: int, seconds: float, **train_counts) -> "Progress":
+        return replace(self, step=steps_done, epoch_time_so_far=seconds, **train_counts)
 
     @property
     def accuracies(self) -> list:
@@ -158,9 +156,7 @@ def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
             per_device_batch_size=recipe.batch_size,
             global_batch_size=run.global_batch_size,
             lr=run.lr,
-            steps_per_epoch=run.data.steps_per_epoch,
-            train_images=len(run.data.train_set),
-            val_images=run.data.val_images,
+            **run.data.sizes(),
             model_width=run.model_width,
             architecture=ARCHITECTURE,
             model_parameters=count_parameters(run.raw_model),
@@ -180,12 +176,12 @@ class JsonLog:
     def __init__(self, path, append: bool = False):
         self.file = open(path, "a" if append else "w") if path else None
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict):
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
-    def close(self) -> None:
+    def close(self):
         if self.file:
             self.file.close()
 

@@ -7,6 +7,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,29 +19,22 @@ class CheckpointError(UserError):
     pass
 
 
-def check_writable(directory) -> None:
-    directory = Path(directory)
+def check_writable(directory):
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{secrets.token_hex(6)}"
-        os.close(_create_new(probe))
-        probe.unlink()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
     except OSError as exc:
         raise CheckpointError(f"--checkpoint-dir {directory} is not writable: {exc.strerror or exc}") from None
 
 
-def _create_new(path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-
-
-def _remove(path) -> None:  # never a symlink's target
+def _remove(path):  # never a symlink's target
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
         shutil.rmtree(path)
 
 
-def _fsync(path, flags: int = 0) -> None:
+def _fsync(path, flags: int = 0):
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
@@ -67,7 +61,7 @@ def attempt(action, *args) -> str | None:
     return None
 
 
-def stop_unless_written(problems: list, directory, leftover=None) -> None:
+def stop_unless_written(problems: list, directory, leftover=None):
     if problem := agreed_problem(problems):
         if leftover:
             with contextlib.suppress(OSError):
@@ -78,13 +72,13 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
         )
 
 
-def _replace(path, write) -> None:
+def _replace(path, write):
     """Via a fsynced temporary file: never torn."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     created = False
     try:
-        with open(_create_new(tmp), "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
             created = True
             write(f)
             f.flush()
@@ -96,7 +90,7 @@ def _replace(path, write) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def save_atomic(state: dict, path) -> None:
+def save_atomic(state: dict, path):
     try:
         _replace(path, lambda f: torch.save(state, f))
     except Exception as exc:
@@ -163,7 +157,7 @@ def publish_checkpoint(directory, incomplete: str) -> str:
     return folder
 
 
-def fresh_folder(folder) -> None:
+def fresh_folder(folder):
     _remove(folder)
     os.mkdir(folder)
 

@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from .profiling import synchronized_clock
+
 
 def warm_up(run, recipe) -> float:
     """recipe.startup_steps steps and a validation forward; the seconds taken."""
@@ -34,6 +36,4 @@ def warm_up(run, recipe) -> float:
     for part, state in zip(parts, saved):
         part.load_state_dict(state)  # a module copies into the same tensors: DDP and the optimizer keep theirs
     optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return round(time.perf_counter() - t0, 3)
+    return round(synchronized_clock(device) - t0, 3)

@@ -35,7 +35,7 @@ class Watch:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
 
-    def start_epoch(self, progress: Progress) -> None:
+    def start_epoch(self, progress: Progress):
         self.progress = progress
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
@@ -65,7 +65,7 @@ class Watch:
             self.extras = {"profile": profile, "comm_estimate": comm}
         return epoch_time
 
-    def log_epoch(self, metrics: dict) -> None:
+    def log_epoch(self, metrics: dict):
         if self.profile and self.run.is_main:
             print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
@@ -76,14 +76,14 @@ class Watch:
     def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
         return Path(self.log.file.name).parent.name
 
-    def track(self, values: dict, step: int) -> None:
+    def track(self, values: dict, step: int):
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
             for tag, value in values.items():
                 self.tracker.add_scalar(tag, value, step)
         else:  # accel_train.py's Accelerator: accelerator.log
             self.tracker.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self):
         self.log.close()
         if hasattr(self.tracker, "add_scalar"):  # Accelerate's end_training closes its own
             self.tracker.close()

@@ -187,7 +187,7 @@ class FakeStderr(io.StringIO):
 )
 def test_show_progress(flags, terminal, is_main, shown, monkeypatch):
     parser = argparse.ArgumentParser()
-    add_training_flags(parser)
+    add_training_flags(parser, parser)  # the launch group: the parser itself
     args = parser.parse_args(flags)
     monkeypatch.setattr(sys, "stderr", FakeStderr(terminal))
     assert show_progress(args, is_main) is shown
@@ -195,7 +195,7 @@ def test_show_progress(flags, terminal, is_main, shown, monkeypatch):
 
 def test_progress_flag_refuses_other_values(capsys):
     parser = argparse.ArgumentParser()
-    add_training_flags(parser)
+    add_training_flags(parser, parser)  # the launch group: the parser itself
     with pytest.raises(SystemExit):
         parser.parse_args(["--progress", "yes"])
     assert "invalid choice" in capsys.readouterr().err
