@@ -21,10 +21,7 @@ Collectives that are not course steps say `# beyond R1: <why>` (they live in cif
     accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank 0 --main_process_ip node0 \
         --main_process_port 29500 accel_train.py --data-dir data
 
-    # Slurm, one task per node
-    srun --ntasks-per-node=1 bash -c 'accelerate launch --config_file accelerate_configs/multi_node.yaml \
-        --machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR --main_process_port $MASTER_PORT \
-        accel_train.py --data-dir data'
+    # Slurm: the job scripts in slurm/ (docs/slurm.md)
 
     # 2 CPU processes (gloo)
     accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --device cpu --data-dir data \

@@ -25,11 +25,10 @@ Collectives that are not course steps say `# beyond R1: <why>` (they live in cif
     python raw_ddp.py --num-nodes 2 --node-id 0 --num-gpus 4 --master-addr node0 --master-port 29500
     python raw_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --master-port 29500
 
-    # Slurm, one task per node
-    srun --ntasks-per-node=1 bash -c 'python raw_ddp.py --num-nodes $SLURM_NNODES --node-id $SLURM_NODEID --num-gpus 4'
-
     # or torchrun
     torchrun --nproc_per_node 2 raw_ddp.py --data-dir data
+
+    # Slurm: the job scripts in slurm/ (docs/slurm.md)
 
     # the challenge recipe, resumable
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --recipe fast --checkpoint-dir ckpt --auto-resume

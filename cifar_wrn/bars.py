@@ -17,12 +17,12 @@ DEFAULT_COLUMNS = 100
 class _Bar(tqdm):
     """On stderr, with {img_rate}; DEFAULT_COLUMNS wide where the terminal gives no width."""
 
-    def __init__(self, *args, images_per_step: int = 1, **kwargs):
+    def __init__(self, *args, images_per_step=1, **kwargs):
         self.images_per_step = images_per_step  # before tqdm's __init__, which draws
         super().__init__(*args, file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
         _open_bars.add(self)
 
-    def _sized(self) -> None:
+    def _sized(self):
         if self.ncols is not None and self.ncols <= 0:
             self.ncols, self.nrows = DEFAULT_COLUMNS, None
 
@@ -43,7 +43,7 @@ class _Bar(tqdm):
 class EpochBar:
     """One epoch's steps; with show=False and no `track` every method does nothing."""
 
-    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step=0, images_per_step=1, track=None):
+    def __init__(self, show, epoch, steps_per_epoch, start_step=0, images_per_step=1, track=None):
         self.step_number, self.steps_per_epoch, self.track = start_step, steps_per_epoch, track
         self.steps_before = (epoch - 1) * steps_per_epoch  # the global step of this epoch's first
         self._loss_sum, self._losses, self._bar = None, 0, None
@@ -58,7 +58,7 @@ class EpochBar:
                 desc=f"epoch {epoch}",
             )
 
-    def step(self, loss) -> None:
+    def step(self, loss):
         if self._bar is None and self.track is None:
             return
         self.step_number += 1
@@ -75,20 +75,20 @@ class EpochBar:
             if self.track:
                 self.track({"train_loss": mean}, self.steps_before + self.step_number)
 
-    def close(self) -> None:
+    def close(self):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
 
 
-def validation_bar(show: bool, loader):
+def validation_bar(show, loader):
     if not show:
         return loader
     return _Bar(loader, unit="batch", desc="validation")
 
 
 @before_report
-def close_all() -> None:
+def close_all():
     """An error message then starts on a clean line."""
     for bar in list(_open_bars):
         bar.close()

@@ -22,8 +22,18 @@ NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or au
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
 
 
-def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
-    """The flags after the launch group's first ones, in groups; docs/flags.md explains each."""
+RECIPE_FLAGS = dict(
+    epochs=(int, "maximum epochs"),
+    batch_size=(int, "images per process per step"),
+    base_lr=(float, "learning rate at the reference batch size"),
+    target_accuracy=(float, "validation accuracy to reach"),
+    patience=(int, "consecutive epochs at the target before stopping"),
+    seed=(int, "random seed"),
+)
+
+
+def add_training_flags(p: argparse.ArgumentParser, launch):
+    """The other flags; docs/flags.md explains each."""
     launch.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (600)")
     add = p.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
@@ -33,15 +43,8 @@ def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
     add("--recipe", default="baseline", help="baseline, fast, or a YAML path (default baseline)")
     keys = "override a recipe key (repeatable); the keys: class Recipe in cifar_wrn/recipe.py"
     add("--set", action="append", default=[], metavar="KEY=VALUE", help=keys)
-    for flag, kind, text in (
-        ("epochs", int, "maximum epochs"),
-        ("batch-size", int, "images per process per step"),
-        ("base-lr", float, "learning rate at the reference batch size"),
-        ("target-accuracy", float, "validation accuracy to reach"),
-        ("patience", int, "consecutive epochs at the target before stopping"),
-        ("seed", int, "random seed"),
-    ):
-        add(f"--{flag}", type=kind, help=f"{text} (default: the recipe's)")
+    for key, (kind, text) in RECIPE_FLAGS.items():
+        add(f"--{key.replace('_', '-')}", type=kind, help=f"{text} (default: the recipe's)")
     add = p.add_argument_group("checkpoints and resume").add_argument
     add("--checkpoint-dir", metavar="DIR", help="checkpoint each epoch and on SIGUSR1/SIGTERM")
     add("--resume", action="store_true", help="continue from DIR's checkpoint; fail if there is none")
@@ -57,32 +60,31 @@ def add_training_flags(p: argparse.ArgumentParser, launch) -> None:
     add("--model-width", type=int, default=COURSE_WIDTH, help=argparse.SUPPRESS)  # tests only: tiny models
 
 
-def launch_commands(doc: str) -> str:
+def launch_commands(doc):
     """--help's epilog: the entry point's docstring from its first command on."""
     return "commands:\n" + doc[doc.index("\n    # ") + 1 :]
 
 
 def recipe_from_args(args) -> Recipe:
     """The recipe file, then --set, then the dedicated flags."""
-    flags = ("epochs", "batch_size", "base_lr", "target_accuracy", "patience", "seed")
-    dedicated = {f: v for f in flags if (v := getattr(args, f)) is not None}
+    dedicated = {key: v for key in RECIPE_FLAGS if (v := getattr(args, key)) is not None}
     return load_recipe(args.recipe, {**parse_set(args.set), **dedicated})
 
 
-def show_progress(args, is_main: bool) -> bool:
+def show_progress(args, is_main):
     try:
         return is_main and args.progress != "off" and (args.progress == "on" or sys.stderr.isatty())
     except (AttributeError, ValueError):  # no stderr, or a closed one
         return False
 
 
-def at_least_one(args, *flags: str) -> None:
+def at_least_one(args, *flags):
     for flag in flags:
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
 
 
-def check_training_flags(args, writes_outputs: bool = True) -> None:
+def check_training_flags(args, writes_outputs=True):
     """`writes_outputs`: this process writes --save and --log-json."""
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
     if args.dist_timeout <= 0:
@@ -102,17 +104,17 @@ def check_training_flags(args, writes_outputs: bool = True) -> None:
         )
 
 
-def launched_by_torchrun() -> bool:
+def launched_by_torchrun():
     return {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} <= os.environ.keys()
 
 
-def free_port() -> int:
+def free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -127,22 +129,17 @@ def launcher_world_size() -> int | None:
     return next((int(size) for size in sizes if size.isdigit()), None)
 
 
-def local_world_size(default: int) -> int:
+def local_world_size(default):
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
-def launcher_name() -> str:
-    env = os.environ  # accelerate launch runs torchrun inside: asked first
-    return (
-        "accelerate launch"
-        if "ACCELERATE_DYNAMO_BACKEND" in env
-        else "torchrun"
-        if "TORCHELASTIC_RUN_ID" in env
-        else "python"
-    )
+def launcher_name():
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # asked first: accelerate launch runs torchrun inside
+        return "accelerate launch"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
 
 
-def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
+def accelerate_launch_problem(seen, distributed_type, device_type, version) -> str | None:
     started = launcher_world_size()
     if started not in (None, seen):
         return (
@@ -162,7 +159,7 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
     return None
 
 
-def check_launch(args, cuda_device_count: int) -> None:
+def check_launch(args, cuda_device_count):
     at_least_one(args, "num_nodes", "num_gpus")
     if not 0 <= args.node_id < args.num_nodes:
         raise UserError(

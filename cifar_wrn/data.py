@@ -31,22 +31,21 @@ class DataError(UserError):
     pass
 
 
-def dataset_present(data_dir) -> bool:
+def dataset_present(data_dir):
     return all((Path(data_dir) / FOLDER / name).is_file() for name in TRAIN_FILES + VAL_FILES)
 
 
-def how_to_provide(data_dir) -> str:
+def how_to_provide(data_dir):
     folder = Path(data_dir) / FOLDER
     if (Path(data_dir) / TRAIN_FILES[0]).is_file():
         return (
-            f"CIFAR-10 is not in {folder}: {data_dir} holds {TRAIN_FILES[0]} itself, so it is that folder; "
-            f"--data-dir takes the one above it: --data-dir {Path(data_dir).resolve().parent}"
+            f"CIFAR-10 is not in {folder}: {data_dir} holds {TRAIN_FILES[0]} itself; --data-dir takes the folder "
+            f"above it: --data-dir {Path(data_dir).resolve().parent}"
         )
     return (
-        f"CIFAR-10 is not in {folder}. Provide it in the official python layout "
-        f"(cifar-10-batches-py/data_batch_1..5, test_batch): extract the official cifar-10-python.tar.gz into "
-        f"{data_dir}, or copy a folder in that layout there; with internet the first run downloads the archive "
-        f"(CIFAR10_URL=<url> for a mirror of it)."
+        f"CIFAR-10 is not in {folder}: extract the official cifar-10-python.tar.gz into {data_dir}, or copy a "
+        f"{FOLDER}/ there (data_batch_1..5, test_batch); with internet the first run downloads it (CIFAR10_URL=<url> "
+        "for a mirror)."
     )
 
 
@@ -68,8 +67,7 @@ class RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
-def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
-    """How protocol 0-2 pickles rebuild bytes."""
+def _latin1_encode(text, encoding="latin1"):  # how protocol 0-2 pickles rebuild bytes
     if encoding != "latin1":
         raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
@@ -85,14 +83,14 @@ for package in ("numpy.core", "numpy._core"):
 class BatchUnpickler(pickle.Unpickler):
     """Not torchvision's reader: re-encoded copies (other md5) load, and a crafted file runs no code."""
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module, name):
         allowed = ALLOWED.get((module, name))
         if allowed is None:
             raise RefusedGlobal(f"{module}.{name}")
         return allowed
 
 
-def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_batch(path) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         with open(path, "rb") as f:
             batch = BatchUnpickler(f, encoding="latin1").load()
@@ -122,7 +120,7 @@ def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(data.copy()).view(-1, 3, 32, 32), labels
 
 
-def _labels(path: Path, labels) -> torch.Tensor:
+def _labels(path, labels) -> torch.Tensor:
     """As int64 [N], else a DataError, which every rank shares (a TypeError it could not)."""
     try:
         values = torch.as_tensor(list(labels))
@@ -131,13 +129,13 @@ def _labels(path: Path, labels) -> torch.Tensor:
     if values.numel() and (
         values.dim() != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool
     ):
-        kinds = sorted({type(v).__name__ for v in labels}) if isinstance(labels, (list, tuple)) else []
-        found = f"a {type(labels).__name__} of {', '.join(kinds)}" if kinds else type(labels).__name__
-        raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {found}")
+        kinds = {type(v).__name__ for v in labels} if isinstance(labels, (list, tuple)) else ()
+        found = f" of {', '.join(sorted(kinds))}" if kinds else ""
+        raise DataError(f"{path}: 'labels' must be a list of integers 0-9, found {type(labels).__name__}{found}")
     return values.to(torch.int64)
 
 
-def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def load_split(data_dir, train, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`subset` keeps the first N."""
     folder = Path(data_dir) / FOLDER
     if not dataset_present(data_dir):
@@ -157,7 +155,7 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     return images[:subset], labels[:subset]
 
 
-def loader_options(recipe, dataset, run) -> dict:
+def loader_options(recipe, dataset, run):
     """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses."""
     per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
@@ -178,11 +176,11 @@ def _as_made(batch):
 class CIFAR10(Dataset):
     def __init__(
         self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        augment: bool,
-        augmentation: str = "crop_flip",
-        normalization: str = "cifar",
+        images,
+        labels,
+        augment,
+        augmentation="crop_flip",
+        normalization="cifar",
     ):
         from torchvision.transforms import v2  # lazy: it imports torch._dynamo (slow)
 
@@ -202,10 +200,10 @@ class CIFAR10(Dataset):
             [*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(*NORMALIZATION[normalization])]
         )
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.labels)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index):
         return self.transform(self.images[index]), self.labels[index]
 
 
@@ -223,11 +221,11 @@ class SkipFirst(Sampler):
         batches = list(remaining)  # drop_last: all of one size
         return iter(torch.tensor(batches, device=device) if batches else [])
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.batches) - self.skip
 
 
-def ignore_stop_signal(worker_id: int) -> None:
+def ignore_stop_signal(worker_id):
     """Slurm signals every process of a step; the stop is for the ranks."""
     import signal
 

@@ -19,10 +19,16 @@ def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
             f"{recipe.batch_size} per process"
         )
     _recalibration_images(recipe, images, world_size)
-    return make_datasets(train_data, val_data, recipe, run.device, run.rank)
+    common = dict(normalization=recipe.normalization)
+    if recipe.data_pipeline == "device":
+        common.update(device=run.device, channels_last=recipe.channels_last)
+        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + run.rank, **common)
+        return train, DeviceBatches(*val_data, augment=False, **common)
+    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
+    return train, CIFAR10(*val_data, augment=False, **common)
 
 
-def _recalibration_images(recipe, images: int, world_size: int) -> int:
+def _recalibration_images(recipe, images, world_size):
     used = min(recipe.bn_recalibration, images)
     if recipe.bn_recalibration and used < world_size:
         raise DataError(
@@ -31,17 +37,7 @@ def _recalibration_images(recipe, images: int, world_size: int) -> int:
     return used
 
 
-def make_datasets(train_data, val_data, recipe, device, rank: int) -> tuple[Dataset, Dataset]:
-    common = dict(normalization=recipe.normalization)
-    if recipe.data_pipeline == "device":
-        common.update(device=device, channels_last=recipe.channels_last)
-        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + rank, **common)
-        return train, DeviceBatches(*val_data, augment=False, **common)
-    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
-    return train, CIFAR10(*val_data, augment=False, **common)
-
-
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+def random_crop_flip(images, generator: torch.Generator, pad=4) -> torch.Tensor:
     (n, c, h, w), device = images.shape, images.device
     padded = torch.nn.functional.pad(images, (pad,) * 4)
     dy, dx = (torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator) for _ in range(2))
@@ -52,7 +48,7 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
 
 
-def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
+def recalibration_batches(train_set, recipe, rank, world_size, device):
     """This rank's unaugmented bn_recalibration batches, as many as every rank's (sync_bn)."""
     images = _recalibration_images(recipe, len(train_set), world_size)
     if not images:
@@ -72,13 +68,13 @@ class DeviceBatches(Dataset):
 
     def __init__(
         self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
+        images,
+        labels,
         device,
-        augment: bool,
-        seed: int = 0,
-        channels_last: bool = False,
-        normalization: str = "cifar",
+        augment,
+        seed=0,
+        channels_last=False,
+        normalization="cifar",
     ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
@@ -88,7 +84,7 @@ class DeviceBatches(Dataset):
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:

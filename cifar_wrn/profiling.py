@@ -11,7 +11,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 class PhaseTimer:
     """--profile's phase times; --trace's profiler of steps 3-5, stopped by totals()."""
 
-    def __init__(self, device: torch.device, enabled: bool, trace_dir: str | None = None, rank: int = 0):
+    def __init__(self, device, enabled, trace_dir: str | None = None, rank=0):
         self.enabled, self.cuda, self.marks, self.tracer = enabled, device.type == "cuda", [], None
         if trace_dir:
             profiler, kinds = torch.profiler, torch.profiler.ProfilerActivity
@@ -29,26 +29,26 @@ class PhaseTimer:
             return event
         return time.perf_counter()
 
-    def start(self, device: torch.device) -> float:
+    def start(self, device):
         t0 = synchronized_clock(device)
         self.marks = [(None, self._now())] if self.enabled else []
         return t0
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, model, optimizer: torch.optim.Optimizer):
         """Marks from hooks: the training step itself carries no timer."""
         model.register_forward_pre_hook(lambda *_: self.mark("data"))
         model.register_forward_hook(lambda *_: self.mark("forward"))
         optimizer.register_step_pre_hook(lambda *_: self.mark("backward"))
         optimizer.register_step_post_hook(lambda *_: self.mark("optimizer"))
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase):
         """Ends `phase`."""
         if self.enabled:
             self.marks.append((phase, self._now()))
         if phase == "other" and self.tracer:
             self.tracer.step()
 
-    def totals(self) -> dict:
+    def totals(self):
         """Seconds per phase since start(); one GPU sync."""
         if self.tracer:
             self.tracer.stop()
@@ -63,7 +63,7 @@ class PhaseTimer:
         return out
 
 
-def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None, epoch: int) -> str:
+def profile_table(profile, epoch_time, comm_estimate, epoch):
     names = (
         "data (waiting for the next batch)",
         "forward",
@@ -72,37 +72,40 @@ def profile_table(profile: dict, epoch_time: float, comm_estimate: float | None,
         "other (LR, EMA, step agreement)",
     )
     rows = [*zip(names, (profile[p] for p in PHASES))]
-    rows.append(("sum of the parts / epoch time", sum(profile[p] for p in PHASES)))
-    if comm_estimate is not None:
-        rows.append(("all-reduce cost estimate (no_sync)", comm_estimate))
+    rows += [
+        ("sum of the parts / epoch time", sum(profile.values())),
+        ("all-reduce cost estimate (no_sync)", comm_estimate),
+    ]
     lines = [f"    {name:36s}{seconds:8.3f}  {100 * seconds / epoch_time:5.1f}%" for name, seconds in rows]
     return "\n".join([f"  Profile of epoch {epoch} (rank 0)          seconds   share", *lines])
 
 
-def synchronized_clock(device: torch.device) -> float:
+def synchronized_clock(device):
     """perf_counter after a GPU sync: the clock measures work, not launches."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def allreduce_cost(forward, backward, no_sync, zero_grad, raw_model, device, repeats: int = 3) -> float:
-    """Seconds the all-reduce adds to a backward (with vs without no_sync); state restored."""
-    buffers, seconds = [b.clone() for b in raw_model.buffers()], []
+def allreduce_cost(run, images, repeats=3):
+    """Seconds DDP's all-reduce adds to a backward of `images` (with vs without no_sync); state restored."""
+    labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
+    device, buffers, seconds = run.device, [b.clone() for b in run.raw_model.buffers()], []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for context in (contextlib.nullcontext, no_sync):
+            for context in (contextlib.nullcontext, run.ddp.no_sync):
                 best = float("inf")
                 for _ in range(repeats):
                     with context():
-                        loss = forward()
+                        with torch.autocast(**run.autocast):
+                            loss = run.criterion(run.model(images), labels)
                         t0 = synchronized_clock(device)
-                        backward(loss)
+                        loss.backward()
                         best = min(best, synchronized_clock(device) - t0)
                 seconds.append(best)
-                zero_grad(set_to_none=True)
+                run.model.zero_grad(set_to_none=True)
     finally:
         with torch.no_grad():
-            for saved, buffer in zip(buffers, raw_model.buffers()):
+            for saved, buffer in zip(buffers, run.raw_model.buffers()):
                 buffer.copy_(saved)
     return max(seconds[0] - seconds[1], 0.0)

@@ -28,9 +28,9 @@ class Recipe:
     # --- batch and learning rate
     batch_size: int = 32  # images per process per step
     base_lr: float = 0.01
-    lr_scaling: str = "linear"  # linear | none
+    lr_scaling: str = "linear"  # or none
     reference_batch_size: int = 32  # global batch of base_lr
-    lr_schedule: str = "constant"  # constant | warmup_linear (decays to 0)
+    lr_schedule: str = "constant"  # warmup_linear decays to 0
     warmup_epochs: float = 0.0
     # --- optimizer and loss
     momentum: float = 0.0
@@ -40,14 +40,14 @@ class Recipe:
     grad_clip_norm: float = 0.0  # max global gradient norm
     bn_lr_scale: float = 1.0  # lr multiplier for BN parameters
     # --- numerics and data
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # bf16: autocast
     channels_last: bool = False
     cudnn_benchmark: bool = False
     startup_steps: int = 0  # synthetic steps before the clock, undone after
-    data_pipeline: str = "dataloader"  # dataloader | device (dataset on device)
+    data_pipeline: str = "dataloader"  # device: the dataset on the device
     augment: bool = True
-    augmentation: str = "crop_flip"  # crop_flip | course (its transform_train)
-    normalization: str = "cifar"  # cifar (mean/std) | course (0.5, 0.5)
+    augmentation: str = "crop_flip"  # course: its transform_train
+    normalization: str = "cifar"  # cifar: its mean/std; course: 0.5, 0.5
     num_workers: int = 4
     eval_batch_size: int = 500  # per process
     seed: int = 0  # + rank for augmentation
@@ -55,7 +55,7 @@ class Recipe:
     ema_decay: float = 0.0  # evaluate an EMA of the weights
     ddp_bucket_view: bool = False
     ddp_static_graph: bool = False
-    grad_compression: str = "none"  # none | bf16
+    grad_compression: str = "none"
     sync_bn: bool = False
     compile: bool = False
     tta_flip: bool = False  # changes the metric
@@ -90,11 +90,11 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _where(node) -> str:
+def _where(node):
     return f"line {node.start_mark.line + 1}: {node.value if isinstance(node, yaml.ScalarNode) else '...'}"
 
 
-def _coerce(key: str, value, source: str):
+def _coerce(key, value, source):
     if key not in FIELDS:
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
     kind = FIELDS[key].type
@@ -114,7 +114,7 @@ def _coerce(key: str, value, source: str):
     return number
 
 
-def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
+def load_recipe(name_or_path="baseline", overrides: dict | None = None) -> Recipe:
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml") and not path.exists():
         path = RECIPE_DIR / f"{name_or_path}.yaml"  # a shipped recipe
@@ -142,7 +142,7 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
     return recipe
 
 
-def parse_set(items: list[str]) -> dict:
+def parse_set(items: list[str]):
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -152,11 +152,11 @@ def parse_set(items: list[str]) -> dict:
     return out
 
 
-def check_recipe(r: Recipe) -> None:
+def check_recipe(r):
     """Ranges only: _coerce refused the values that are not finite."""
     problems = []
 
-    def need(keys, ok, what: str) -> None:
+    def need(keys, ok, what):
         problems.extend(f"{k} {what} (got {getattr(r, k)!r})" for k in keys.split() if not ok(getattr(r, k)))
 
     need("epochs batch_size patience reference_batch_size eval_batch_size", lambda v: v >= 1, "must be >= 1")
@@ -183,19 +183,14 @@ def check_recipe(r: Recipe) -> None:
         raise RecipeError("invalid recipe: " + "; ".join(problems))
 
 
-def as_dict(recipe: Recipe) -> dict:
-    return asdict(recipe)
+as_dict = asdict  # a Recipe as {key: value}
 
 
-def autocast_options(recipe: Recipe, device) -> dict:
-    return dict(device_type=device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
-
-
-def memory_format(recipe: Recipe) -> torch.memory_format:
+def memory_format(recipe) -> torch.memory_format:
     return torch.channels_last if recipe.channels_last else torch.contiguous_format
 
 
-def slow_bf16_warning(device_type: str, precision: str) -> str | None:
+def slow_bf16_warning(device_type, precision) -> str | None:
     if device_type != "cpu" or precision != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return (

@@ -10,7 +10,7 @@ from .data import SkipFirst
 from .evaluation import real_sample_mask
 from .model import COURSE_WIDTH
 from .pipeline import DeviceBatches, recalibration_batches
-from .recipe import Recipe, autocast_options, memory_format
+from .recipe import Recipe, memory_format
 
 
 @dataclass
@@ -20,24 +20,24 @@ class Data:
     train_loader: DataLoader
     val_loader: DataLoader
     steps_per_epoch: int
-    train_sampler: DistributedSampler | None = None  # these three: None on accel_train.py's DataLoader path
+    train_sampler: DistributedSampler | None = None  # these three: None on accel_train.py's prepared loaders
     train_batches: SkipFirst | None = None
     val_sampler: DistributedSampler | None = None
     recalibration: list = field(default_factory=list)
 
     @property
-    def val_images(self) -> int:
+    def val_images(self):
         return len(self.val_set)
 
     @property
-    def val_mask(self) -> torch.Tensor | None:  # None: the prepared loader drops the padding itself
+    def val_mask(self) -> torch.Tensor | None:  # None: the prepared loader drops its padding
         return None if self.val_sampler is None else real_sample_mask(self.val_sampler)
 
     @property
     def generator(self) -> torch.Generator | None:  # the device pipeline's augmentation stream
         return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
 
-    def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
+    def epoch_loader(self, epoch, skip) -> DataLoader:
         """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
@@ -48,7 +48,7 @@ class Data:
         self.train_loader.set_epoch(epoch)
         return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
-    def sizes(self) -> dict:  # what a checkpoint records of the data, and a resume must match
+    def sizes(self):  # what a resume must match
         return dict(train_images=len(self.train_set), val_images=self.val_images, steps_per_epoch=self.steps_per_epoch)
 
 
@@ -59,28 +59,28 @@ class Run:
     local_rank: int  # on this node: the GPU it uses
     world_size: int
     device: torch.device
-    show: bool = False  # progress bars: rank 0 only, on a terminal
-    accelerator: object = None  # accel_train.py's Accelerator; None in raw_ddp.py
+    show: bool = False  # progress bars
+    accelerator: object = None  # accel_train.py's Accelerator
     model_width: int = COURSE_WIDTH
     data: Data | None = None
     model: torch.nn.Module | None = None  # what the loop trains: raw_model in DDP, maybe compiled
     raw_model: torch.nn.Module | None = None  # the WideResNet itself
-    ema: torch.nn.Module | None = None  # the EMA evaluated instead of raw_model (recipe key ema_decay), or None
+    ema: torch.nn.Module | None = None  # evaluated instead of raw_model (recipe key ema_decay)
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     criterion: torch.nn.Module | None = None
     lr: float = 0.0
 
     @property
-    def is_main(self) -> bool:
+    def is_main(self):
         return self.rank == 0
 
     @property
-    def global_batch_size(self) -> int:
-        return self.recipe.batch_size * self.world_size  # per_device_batch_size x world_size
+    def global_batch_size(self):
+        return self.recipe.batch_size * self.world_size
 
     @property
-    def eval_model(self) -> torch.nn.Module:  # what validation runs
+    def eval_model(self) -> torch.nn.Module:
         return self.raw_model if self.ema is None else self.ema
 
     @property
@@ -88,8 +88,8 @@ class Run:
         return self.raw_model if self.ema is None else self.ema.module
 
     @property
-    def autocast(self) -> dict:
-        return autocast_options(self.recipe, self.device)
+    def autocast(self):
+        return dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.recipe.precision == "bf16")
 
     @property
     def layout(self) -> torch.memory_format:
@@ -100,9 +100,9 @@ class Run:
         model = getattr(self.model, "_orig_mod", self.model)
         return model if isinstance(model, DistributedDataParallel) else None
 
-    def recalibration_batches(self) -> list:  # bn_recalibration's, made once
+    def recalibration_batches(self):  # made once
         data = self.data
-        if not data.recalibration and self.recipe.bn_recalibration:
+        if not data.recalibration:
             data.recalibration = recalibration_batches(
                 data.train_set, self.recipe, self.rank, self.world_size, self.device
             )

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 
-def git_commit() -> str:
+def git_commit():
     describe = ["git", "describe", "--always", "--dirty", "--abbrev=64", "--exclude=*"]
     try:
         done = subprocess.run(describe, cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
@@ -21,7 +21,7 @@ def git_commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def epoch_line(m: dict) -> str:
+def epoch_line(m):
     # the report reads logs from before training accuracy was counted
     train = f"Training Accuracy = {m['train_accuracy']:.3f}, " if "train_accuracy" in m else ""
     line = (
@@ -39,11 +39,11 @@ def epoch_line(m: dict) -> str:
     )
 
 
-def criterion_met(accuracies: list, target: float, patience: int) -> bool:
+def criterion_met(accuracies, target, patience):
     return trailing_streak(accuracies, target) >= patience
 
 
-def trailing_streak(accuracies: list, target: float) -> int:
+def trailing_streak(accuracies, target):
     return next((n for n, accuracy in enumerate(reversed(accuracies)) if not accuracy >= target), len(accuracies))
 
 
@@ -61,22 +61,20 @@ class Progress:
     train_seen: int = 0
 
     @classmethod
-    def of(cls, checkpoint: dict) -> "Progress":
+    def of(cls, checkpoint) -> "Progress":
         return cls(**{f.name: checkpoint[f.name] for f in fields(cls)})
 
-    def as_dict(self) -> dict:
+    def as_dict(self):
         return asdict(self)
 
-    def mid_epoch(self, steps_done: int, seconds: float, train_correct: int, train_seen: int) -> "Progress":
-        return replace(
-            self, step=steps_done, epoch_time_so_far=seconds, train_correct=train_correct, train_seen=train_seen
-        )
+    def mid_epoch(self, steps_done, seconds, **train_counts) -> "Progress":
+        return replace(self, step=steps_done, epoch_time_so_far=seconds, **train_counts)
 
     @property
-    def accuracies(self) -> list:
+    def accuracies(self):
         return [m["val_accuracy"] for m in self.history]
 
-    def end_epoch(self, metrics: dict, recipe) -> bool:
+    def end_epoch(self, metrics, recipe):
         """True when the rule holds."""
         self.history.append(metrics)
         # recounted from every logged accuracy: a resume may have changed target_accuracy or patience
@@ -92,14 +90,14 @@ class Progress:
             )
         return done
 
-    def safety_net_open(self, recipe) -> bool:
+    def safety_net_open(self, recipe):
         left = recipe.epochs + recipe.extra_epochs - self.epoch
         return left > 0 and trailing_streak(self.accuracies, recipe.target_accuracy) + left >= recipe.patience
 
-    def rule_holds(self, recipe) -> bool:
+    def rule_holds(self, recipe):
         return criterion_met(self.accuracies, recipe.target_accuracy, recipe.patience)
 
-    def epochs_left(self, recipe) -> bool:
+    def epochs_left(self, recipe):
         return not self.rule_holds(recipe) and (self.epoch < recipe.epochs or self.safety_net_open(recipe))
 
     def epochs(self, recipe):
@@ -107,11 +105,11 @@ class Progress:
             yield self.epoch
 
 
-def final_line(progress: Progress, recipe) -> str:
+def final_line(progress, recipe):
     return final_text(progress.epoch if progress.rule_holds(recipe) else None, progress.epoch, recipe)
 
 
-def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:
+def final_text(stopped_at: int | None, epochs_run, recipe):
     extra = min((stopped_at or epochs_run) - recipe.epochs, recipe.extra_epochs)
     if stopped_at:
         note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
@@ -122,7 +120,7 @@ def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:
     )
 
 
-def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
+def run_log_path(log_json, recipe_name, layout, prefix=""):
     """Not beside the checkpoints: their disk may fill."""
     if log_json:
         return log_json
@@ -137,7 +135,7 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
+def open_run_log(args, recipe, run, progress, **launch) -> "JsonLog":
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
     layout, prefix = f"{launch['num_nodes']}x{launch['num_gpus']}", "accel-" if run.accelerator else ""
@@ -158,9 +156,7 @@ def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
             per_device_batch_size=recipe.batch_size,
             global_batch_size=run.global_batch_size,
             lr=run.lr,
-            steps_per_epoch=run.data.steps_per_epoch,
-            train_images=len(run.data.train_set),
-            val_images=run.data.val_images,
+            **run.data.sizes(),
             model_width=run.model_width,
             architecture=ARCHITECTURE,
             model_parameters=count_parameters(run.raw_model),
@@ -177,15 +173,15 @@ def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
 class JsonLog:
     """Flushed at once: a crash loses nothing written."""
 
-    def __init__(self, path, append: bool = False):
+    def __init__(self, path, append=False):
         self.file = open(path, "a" if append else "w") if path else None
 
-    def write(self, record: dict) -> None:
+    def write(self, record):
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
-    def close(self) -> None:
+    def close(self):
         if self.file:
             self.file.close()
 

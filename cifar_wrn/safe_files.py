@@ -7,6 +7,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,29 +19,22 @@ class CheckpointError(UserError):
     pass
 
 
-def check_writable(directory) -> None:
-    directory = Path(directory)
+def check_writable(directory):
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{secrets.token_hex(6)}"
-        os.close(_create_new(probe))
-        probe.unlink()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
     except OSError as exc:
         raise CheckpointError(f"--checkpoint-dir {directory} is not writable: {exc.strerror or exc}") from None
 
 
-def _create_new(path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-
-
-def _remove(path) -> None:  # never a symlink's target
+def _remove(path):  # never a symlink's target
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
         shutil.rmtree(path)
 
 
-def _fsync(path, flags: int = 0) -> None:
+def _fsync(path, flags=0):
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
@@ -48,7 +42,7 @@ def _fsync(path, flags: int = 0) -> None:
         os.close(fd)
 
 
-def why(exc: BaseException) -> str:
+def why(exc: BaseException):
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
@@ -67,7 +61,7 @@ def attempt(action, *args) -> str | None:
     return None
 
 
-def stop_unless_written(problems: list, directory, leftover=None) -> None:
+def stop_unless_written(problems, directory, leftover=None):
     if problem := agreed_problem(problems):
         if leftover:
             with contextlib.suppress(OSError):
@@ -78,13 +72,13 @@ def stop_unless_written(problems: list, directory, leftover=None) -> None:
         )
 
 
-def _replace(path, write) -> None:
+def _replace(path, write):
     """Via a fsynced temporary file: never torn."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     created = False
     try:
-        with open(_create_new(tmp), "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
             created = True
             write(f)
             f.flush()
@@ -96,18 +90,18 @@ def _replace(path, write) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def save_atomic(state: dict, path) -> None:
+def save_atomic(state, path):
     try:
         _replace(path, lambda f: torch.save(state, f))
     except Exception as exc:
         raise CheckpointError(f"could not write {path}: {why(exc)}") from None
 
 
-def _not_ours(path, why: str) -> str:
+def _not_ours(path, why):
     return f"{path} is not a checkpoint this project wrote ({why}); nothing in it ran; resume from one you trust"
 
 
-def load_data_only(path, required: tuple = ()) -> dict:
+def load_data_only(path, required=()):
     with _loading(path, "cannot be read"):
         state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
@@ -140,15 +134,14 @@ def latest_checkpoint(directory) -> str | None:
         name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
     folder = os.path.join(directory, name or "")
     if name is None or not STATE_FOLDER.fullmatch(name) or os.path.islink(folder):
+        what = "is not a regular file" if name is None else f"names {name!r}"
         raise CheckpointError(
-            f"{pointer} {'names ' + repr(name) if name is not None else 'is not a regular file'}"
-            f"{' (a symbolic link)' if name and os.path.islink(folder) else ''}, not a state-<n> folder of "
-            f"{directory}: refused. Remove {LATEST}"
+            f"{pointer} {what}, not a state-<n> folder (no link) of {directory}: refused. Remove {LATEST}"
         )
     return folder if os.path.isdir(folder) else None
 
 
-def publish_checkpoint(directory, incomplete: str) -> str:
+def publish_checkpoint(directory, incomplete):
     """Atomically, via LATEST; the old one goes after."""
     previous = latest_checkpoint(directory)
     number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
@@ -164,13 +157,13 @@ def publish_checkpoint(directory, incomplete: str) -> str:
     return folder
 
 
-def fresh_folder(folder) -> None:
+def fresh_folder(folder):
     _remove(folder)
     os.mkdir(folder)
 
 
 @contextlib.contextmanager
-def _loading(where, failed: str = "was found but cannot be loaded into this run"):
+def _loading(where, failed="was found but cannot be loaded into this run"):
     try:
         yield
     except CheckpointError:

@@ -1,22 +1,19 @@
-"""Around the training steps, never in them: warm-up, run log, timing, --profile, --trace, bars, stop agreement,
---with-tracking's events."""
+"""Around the training steps, never in them: warm-up, run log, timing, profiles, bars, stops, tracking."""
 
 from pathlib import Path
-
-import torch
 
 from .agreement import agree_on_flags
 from .bars import EpochBar
 from .launch import launch_fields
 from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from .resilience import StepGuard, install_stop_handlers
-from .runlog import JsonLog, Progress, open_run_log
+from .runlog import JsonLog, open_run_log
 from .startup import warm_up
 
 TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 
 
-def start_training(args, recipe, run, progress: Progress) -> "Watch":
+def start_training(args, recipe, run, progress) -> "Watch":
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
@@ -36,14 +33,14 @@ class Watch:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
 
-    def start_epoch(self, progress: Progress) -> None:
+    def start_epoch(self, progress):
         self.progress = progress
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
         track = self.tracker and self.track
         self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size, track)
 
-    def step_done(self, step: int, loss: torch.Tensor) -> bool:
+    def step_done(self, step, loss):
         """True: every rank checkpoints and stops; RunStopped on a non-finite loss."""
         stop = self.guard.check(loss, self.progress.epoch, step, self.run.data.steps_per_epoch, agree_on_flags)
         if not stop:
@@ -51,36 +48,33 @@ class Watch:
         self.timer.mark("other")
         return stop
 
-    def seconds(self) -> float:  # a resumed epoch's earlier part included
+    def seconds(self):  # a resumed epoch's earlier part included
         return self.progress.epoch_time_so_far + synchronized_clock(self.run.device) - self.t0
 
-    def end_epoch(self) -> float:
+    def end_epoch(self):
         """The epoch's training time."""
         self.bar.close()
         epoch_time = self.seconds()
+        profile = self.timer.totals()  # also stops --trace's profiler
         self.extras = {}
-        if self.profile:
-            steps_run = self.run.data.steps_per_epoch - self.progress.step
-            self.extras = {"profile": self.timer.totals(), "comm_estimate": self.allreduce_estimate(steps_run)}
-        else:
-            self.timer.totals()  # stops --trace's profiler
+        if self.profile:  # with DDP's all-reduce time in the epoch, timed again on the last batch
+            run, images, steps = self.run, self.last_images, self.run.data.steps_per_epoch - self.progress.step
+            comm = steps * allreduce_cost(run, images) if run.ddp is not None and images is not None and steps else 0.0
+            self.extras = {"profile": profile, "comm_estimate": comm}
         return epoch_time
 
-    def log_epoch(self, metrics: dict) -> None:
+    def log_epoch(self, metrics):
         if self.profile and self.run.is_main:
-            table = profile_table(
-                self.extras["profile"], metrics["epoch_time"], self.extras["comm_estimate"], metrics["epoch"]
-            )
-            print(table, flush=True)
+            print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
         if self.tracker:
             self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
 
     @property
-    def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
+    def run_name(self):  # --with-tracking's folder in --project-dir: the run log's (rank 0)
         return Path(self.log.file.name).parent.name
 
-    def track(self, values: dict, step: int) -> None:
+    def track(self, values, step):
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
             for tag, value in values.items():
                 self.tracker.add_scalar(tag, value, step)
@@ -88,19 +82,7 @@ class Watch:
         else:  # accel_train.py's Accelerator: accelerator.log
             self.tracker.log(values, step=step)
 
-    def allreduce_estimate(self, steps_run: int) -> float:
-        """Seconds DDP's all-reduce added to this epoch, timed again on the last batch."""
-        run, images = self.run, self.last_images
-        if run.ddp is None or images is None or not steps_run:
-            return 0.0
-        labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
-        forward = torch.autocast(**run.autocast)(lambda: run.criterion(run.model(images), labels))
-        backward, model = torch.Tensor.backward, run.model
-        return steps_run * allreduce_cost(
-            forward, backward, run.ddp.no_sync, model.zero_grad, run.raw_model, run.device
-        )
-
-    def close(self) -> None:
+    def close(self):
         self.log.close()
         if hasattr(self.tracker, "add_scalar"):  # Accelerate's end_training closes its own
             self.tracker.close()
