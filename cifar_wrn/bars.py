@@ -17,7 +17,7 @@ DEFAULT_COLUMNS = 100
 class _Bar(tqdm):
     """On stderr, with {img_rate}; DEFAULT_COLUMNS wide where the terminal gives no width."""
 
-    def __init__(self, *args, images_per_step=1, **kwargs):
+    def __init__(self, *args, images_per_step: int = 1, **kwargs):
         self.images_per_step = images_per_step  # before tqdm's __init__, which draws
         super().__init__(*args, file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
         _open_bars.add(self)
@@ -43,7 +43,7 @@ class _Bar(tqdm):
 class EpochBar:
     """One epoch's steps; with show=False and no `track` every method does nothing."""
 
-    def __init__(self, show, epoch, steps_per_epoch, start_step=0, images_per_step=1, track=None):
+    def __init__(self, show: bool, epoch: int, steps_per_epoch: int, start_step=0, images_per_step=1, track=None):
         self.step_number, self.steps_per_epoch, self.track = start_step, steps_per_epoch, track
         self.steps_before = (epoch - 1) * steps_per_epoch  # the global step of this epoch's first
         self._loss_sum, self._losses, self._bar = None, 0, None
@@ -81,7 +81,7 @@ class EpochBar:
             self._bar = None
 
 
-def validation_bar(show, loader):
+def validation_bar(show: bool, loader):
     if not show:
         return loader
     return _Bar(loader, unit="batch", desc="validation")

@@ -33,7 +33,7 @@ NO_CHECKPOINT = (
 )
 
 
-def load_checkpoint(directory):
+def load_checkpoint(directory) -> dict:
     path = checkpoint_path(directory)
     if not path.is_file():
         raise CheckpointError(f"--resume: no checkpoint at {path} ({NO_CHECKPOINT}")
@@ -46,7 +46,7 @@ def write_folder(save_state, folder, state: dict | None):
         torch.save(state, Path(folder) / TRAINING_STATE)
 
 
-def read_training_state(folder):
+def read_training_state(folder) -> dict:
     folder = Path(folder)
     if not (folder / TRAINING_STATE).is_file() and (folder / "custom_checkpoint_0.pkl").is_file():
         raise CheckpointError(
@@ -56,7 +56,7 @@ def read_training_state(folder):
     return load_data_only(folder / TRAINING_STATE, ACCEL_KEYS)
 
 
-def _device_problem(saved_on, running_on):
+def _device_problem(saved_on: str, running_on: str):
     if saved_on != running_on:
         raise CheckpointError(
             f"it was written by a run on {saved_on}, this run is on {running_on}: its random states do not carry "
@@ -64,7 +64,7 @@ def _device_problem(saved_on, running_on):
         )
 
 
-def _state(run, progress, finished, recipe, model_width, **more):
+def _state(run, progress, finished: bool, recipe: dict, model_width: int, **more) -> dict:
     return dict(
         progress.as_dict(),
         finished=finished,
@@ -78,16 +78,16 @@ def _state(run, progress, finished, recipe, model_width, **more):
     )
 
 
-def raw_state(run, progress, finished, every_rng, recipe, model_width):
+def raw_state(run, progress, finished: bool, every_rng: list, recipe: dict, model_width: int) -> dict:
     parts = {key: getattr(run, name).state_dict() for key, name in RAW_PARTS.items()}
     return _state(run, progress, finished, recipe, model_width, rng=every_rng, **parts)
 
 
-def accel_state(run, progress, finished, pipeline, recipe, model_width):
+def accel_state(run, progress, finished: bool, pipeline: list, recipe: dict, model_width: int) -> dict:
     return _state(run, progress, finished, recipe, model_width, pipeline=pipeline, device=run.device.type)
 
 
-def resuming_line(where, progress, steps_per_epoch, finished):
+def resuming_line(where, progress, steps_per_epoch: int, finished: bool) -> str:
     line = (
         f"Resuming from {where}: epoch {progress.epoch + 1}, step {progress.step} of {steps_per_epoch}, "
         f"Cumulative Time = {progress.cumulative_time:.3f}"
@@ -95,7 +95,7 @@ def resuming_line(where, progress, steps_per_epoch, finished):
     return line + ("\nNothing to do: that run had already finished" if finished else "")
 
 
-def restore_raw(checkpoint, run):
+def restore_raw(checkpoint: dict, run):
     with _loading("its part of the checkpoint"):
         rng, device = checkpoint["rng"][run.rank], run.device
         _device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
@@ -110,7 +110,7 @@ def restore_raw(checkpoint, run):
             run.data.generator.set_state(rng["pipeline"])
 
 
-def restore_accel(accelerator, folder, state, device_type, ema, generator):
+def restore_accel(accelerator, folder, state: dict, device_type: str, ema, generator):
     """The random-state file is checked first: load_state would only log a bad one."""
     from accelerate.utils import load as accelerate_load  # allows numpy's RNG types
 
@@ -130,14 +130,14 @@ def restore_accel(accelerator, folder, state, device_type, ema, generator):
             generator.set_state(state["pipeline"][accelerator.process_index])
 
 
-def read_for_resume(directory, required) -> tuple[dict | None, str | None]:
+def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]:
     try:
         return (load_checkpoint(directory) if required or checkpoint_path(directory).is_file() else None), None
     except CheckpointError as exc:
         return None, str(exc)
 
 
-def read_accel_for_resume(directory, required) -> tuple[str | None, dict | None, str | None]:
+def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict | None, str | None]:
     """A problem, not an error, so that every node stops together."""
     folder = None
     try:
@@ -151,7 +151,7 @@ def read_accel_for_resume(directory, required) -> tuple[str | None, dict | None,
         return folder, None, str(exc)
 
 
-def what_was_seen(state: dict | None):
+def what_was_seen(state: dict | None) -> str:
     if state is None:
         return "no checkpoint"
     return f"epoch {state['epoch']}, step {state['step']} (Cumulative Time {state['cumulative_time']!r} s)"
@@ -169,10 +169,10 @@ def resume_disagreement(seen: list[tuple[str, str | None]]) -> str | None:
 
 
 def resume_problem(
-    checkpoint,
-    recipe,
-    world_size,
-    model_width,
+    checkpoint: dict,
+    recipe: dict,
+    world_size: int,
+    model_width: int,
     data: dict | None = None,
     architecture: str | None = ARCHITECTURE,
 ) -> str | None:

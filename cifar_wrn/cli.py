@@ -60,7 +60,7 @@ def add_training_flags(p: argparse.ArgumentParser, launch):
     add("--model-width", type=int, default=COURSE_WIDTH, help=argparse.SUPPRESS)  # tests only: tiny models
 
 
-def launch_commands(doc):
+def launch_commands(doc: str) -> str:
     """--help's epilog: the entry point's docstring from its first command on."""
     return "commands:\n" + doc[doc.index("\n    # ") + 1 :]
 
@@ -71,20 +71,20 @@ def recipe_from_args(args) -> Recipe:
     return load_recipe(args.recipe, {**parse_set(args.set), **dedicated})
 
 
-def show_progress(args, is_main):
+def show_progress(args, is_main: bool) -> bool:
     try:
         return is_main and args.progress != "off" and (args.progress == "on" or sys.stderr.isatty())
     except (AttributeError, ValueError):  # no stderr, or a closed one
         return False
 
 
-def at_least_one(args, *flags):
+def at_least_one(args, *flags: str):
     for flag in flags:
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
 
 
-def check_training_flags(args, writes_outputs=True):
+def check_training_flags(args, writes_outputs: bool = True):
     """`writes_outputs`: this process writes --save and --log-json."""
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
     if args.dist_timeout <= 0:
@@ -104,17 +104,17 @@ def check_training_flags(args, writes_outputs=True):
         )
 
 
-def launched_by_torchrun():
+def launched_by_torchrun() -> bool:
     return {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} <= os.environ.keys()
 
 
-def free_port():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def port_is_free(port):
+def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -129,17 +129,17 @@ def launcher_world_size() -> int | None:
     return next((int(size) for size in sizes if size.isdigit()), None)
 
 
-def local_world_size(default):
+def local_world_size(default: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
-def launcher_name():
+def launcher_name() -> str:
     if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # asked first: accelerate launch runs torchrun inside
         return "accelerate launch"
     return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
 
 
-def accelerate_launch_problem(seen, distributed_type, device_type, version) -> str | None:
+def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
     started = launcher_world_size()
     if started not in (None, seen):
         return (
@@ -159,7 +159,7 @@ def accelerate_launch_problem(seen, distributed_type, device_type, version) -> s
     return None
 
 
-def check_launch(args, cuda_device_count):
+def check_launch(args, cuda_device_count: int):
     at_least_one(args, "num_nodes", "num_gpus")
     if not 0 <= args.node_id < args.num_nodes:
         raise UserError(

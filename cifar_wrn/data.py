@@ -31,11 +31,11 @@ class DataError(UserError):
     pass
 
 
-def dataset_present(data_dir):
+def dataset_present(data_dir) -> bool:
     return all((Path(data_dir) / FOLDER / name).is_file() for name in TRAIN_FILES + VAL_FILES)
 
 
-def how_to_provide(data_dir):
+def how_to_provide(data_dir) -> str:
     folder = Path(data_dir) / FOLDER
     if (Path(data_dir) / TRAIN_FILES[0]).is_file():
         return (
@@ -67,7 +67,7 @@ class RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
-def _latin1_encode(text, encoding="latin1"):  # how protocol 0-2 pickles rebuild bytes
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:  # how protocol 0-2 pickles rebuild bytes
     if encoding != "latin1":
         raise RefusedGlobal(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
@@ -83,14 +83,14 @@ for package in ("numpy.core", "numpy._core"):
 class BatchUnpickler(pickle.Unpickler):
     """Not torchvision's reader: re-encoded copies (other md5) load, and a crafted file runs no code."""
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str):
         allowed = ALLOWED.get((module, name))
         if allowed is None:
             raise RefusedGlobal(f"{module}.{name}")
         return allowed
 
 
-def _read_batch(path) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         with open(path, "rb") as f:
             batch = BatchUnpickler(f, encoding="latin1").load()
@@ -120,7 +120,7 @@ def _read_batch(path) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(data.copy()).view(-1, 3, 32, 32), labels
 
 
-def _labels(path, labels) -> torch.Tensor:
+def _labels(path: Path, labels) -> torch.Tensor:
     """As int64 [N], else a DataError, which every rank shares (a TypeError it could not)."""
     try:
         values = torch.as_tensor(list(labels))
@@ -135,7 +135,7 @@ def _labels(path, labels) -> torch.Tensor:
     return values.to(torch.int64)
 
 
-def load_split(data_dir, train, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`subset` keeps the first N."""
     folder = Path(data_dir) / FOLDER
     if not dataset_present(data_dir):
@@ -155,7 +155,7 @@ def load_split(data_dir, train, subset: int | None = None) -> tuple[torch.Tensor
     return images[:subset], labels[:subset]
 
 
-def loader_options(recipe, dataset, run):
+def loader_options(recipe, dataset, run) -> dict:
     """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses."""
     per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
@@ -176,11 +176,11 @@ def _as_made(batch):
 class CIFAR10(Dataset):
     def __init__(
         self,
-        images,
-        labels,
-        augment,
-        augmentation="crop_flip",
-        normalization="cifar",
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        augment: bool,
+        augmentation: str = "crop_flip",
+        normalization: str = "cifar",
     ):
         from torchvision.transforms import v2  # lazy: it imports torch._dynamo (slow)
 
@@ -200,10 +200,10 @@ class CIFAR10(Dataset):
             [*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(*NORMALIZATION[normalization])]
         )
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int):
         return self.transform(self.images[index]), self.labels[index]
 
 
@@ -221,11 +221,11 @@ class SkipFirst(Sampler):
         batches = list(remaining)  # drop_last: all of one size
         return iter(torch.tensor(batches, device=device) if batches else [])
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.batches) - self.skip
 
 
-def ignore_stop_signal(worker_id):
+def ignore_stop_signal(worker_id: int):
     """Slurm signals every process of a step; the stop is for the ranks."""
     import signal
 

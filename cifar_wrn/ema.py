@@ -10,19 +10,19 @@ from torch.optim.swa_utils import AveragedModel, update_bn
 from .pipeline import recalibration_batches
 
 
-def warmed_up_decay(decay, num_updates):
+def warmed_up_decay(decay: float, num_updates):
     return min(decay, (1 + num_updates) / (10 + num_updates))
 
 
 class WarmedUpEMA(AveragedModel):
     """No GPU sync per update: a host int mirrors `n_averaged`."""
 
-    def __init__(self, model, decay):
+    def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, device=next(model.parameters()).device, use_buffers=True)
         self.decay, self.updates = decay, 0
 
     @torch.no_grad()
-    def update_parameters(self, model):
+    def update_parameters(self, model: nn.Module):
         averaged = [*self.module.parameters(), *self.module.buffers()]
         current = [t.detach() for t in (*model.parameters(), *model.buffers())]
         if self.updates == 0:
@@ -48,7 +48,7 @@ build_ema = WarmedUpEMA
 
 
 @torch.no_grad()
-def recalibrate_bn(network, batches, autocast, average):
+def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average):
     """fork_rng: update_bn's Dropout must not draw from the training's stream."""
     if not batches:
         return
@@ -60,7 +60,7 @@ def recalibrate_bn(network, batches, autocast, average):
             average(module.running_mean), average(module.running_var)
 
 
-def recalibrated(network, train_set, recipe, world_size) -> nn.Module:
+def recalibrated(network: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
     """A copy recalibrated on the CPU as a `world_size`-process run would."""
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     shares = []

@@ -18,7 +18,7 @@ class UserError(Exception):
 class AgreedError(UserError):
     """Found alike by every rank; only the `shown` process (one a node) prints it."""
 
-    def __init__(self, message, shown, note: str | None = None):
+    def __init__(self, message: str, shown: bool, note: str | None = None):
         super().__init__(f"{message} (this node: {note})" if note and shown else message)
         self.shown = shown
 
@@ -26,12 +26,12 @@ class AgreedError(UserError):
 class RunStopped(Exception):
     """Every rank stops at one step; rank 0 says why; all exit with `status`."""
 
-    def __init__(self, message, status):
+    def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
 
 
-def agreed_problem(problems) -> str | None:
+def agreed_problem(problems: list) -> str | None:
     by_message = {}
     for rank, problem in enumerate(problems):
         if problem:
@@ -42,7 +42,7 @@ def agreed_problem(problems) -> str | None:
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
-def run_reporting_failures(train, rank, lost_contact_types=()):
+def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
     """train(), any failure reported by its rank, with an exit status."""
     say = lambda text: print(text, file=sys.stderr, flush=True)
     try:
@@ -70,7 +70,7 @@ def run_reporting_failures(train, rank, lost_contact_types=()):
         sys.exit(1)
 
 
-def group_not_formed(who, where, world_size, timeout, exc: Exception, hint) -> UserError:
+def group_not_formed(who: str, where: str, world_size, timeout: float, exc: Exception, hint: str) -> UserError:
     return UserError(
         f"{who}the process group did not form at {where} with world size {world_size} within {timeout:g} s: not "
         f"every process joined. {hint} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"

@@ -10,14 +10,16 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
     return positions < len(sampler.dataset)
 
 
-def tta_logits(model, images, flip=False) -> torch.Tensor:
+def tta_logits(model, images: torch.Tensor, flip: bool = False) -> torch.Tensor:
     """With `flip`, the fp32 mean of the batch's and its mirror's logits."""
     views = (images, images.flip(3)) if flip else (images,)
     return sum(model(view).float() for view in views) / len(views)
 
 
 @torch.no_grad()
-def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip=False, gather=None):
+def evaluate(
+    model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False, gather=None
+):
     """float64 [loss_sum, correct, count] of the real samples (`mask`, or `gather`, drops padding)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -38,7 +40,7 @@ def evaluate(model, loader, mask: torch.Tensor | None, device, autocast_dtype=No
     return totals
 
 
-def exact_ratios(averaged, world_size, expected: int | None = None) -> tuple[float, float]:
+def exact_ratios(averaged: torch.Tensor, world_size: int, expected: int | None = None) -> tuple[float, float]:
     """(loss, accuracy) of averaged totals, counts rounded to whole images: 8,500 of 10,000 is 0.85 at any size."""
     loss_sum, correct, count = (averaged.double() * world_size).tolist()
     if expected is not None and round(count) != expected:

@@ -2,14 +2,18 @@
 
 import torch
 
+from .recipe import Recipe
 
-def scaled_lr(recipe, global_batch_size):
+
+def scaled_lr(recipe: Recipe, global_batch_size: int) -> float:
     """Linear scaling rule (Goyal et al., 2017)."""
     linear = recipe.lr_scaling == "linear"
     return recipe.base_lr * global_batch_size / recipe.reference_batch_size if linear else recipe.base_lr
 
 
-def build_optimizer(model, recipe, lr, fused: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, recipe: Recipe, lr: float, fused: bool | None = None
+) -> torch.optim.Optimizer:
     """No weight decay on BN scales and biases: it only fights the normalisation. `fused`: default on a GPU."""
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -20,11 +24,11 @@ def build_optimizer(model, recipe, lr, fused: bool | None = None) -> torch.optim
     return torch.optim.SGD(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov, fused=fused or None)
 
 
-def build_scheduler(optimizer, recipe, steps_per_epoch) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = round(recipe.warmup_epochs * steps_per_epoch)
     budget = recipe.epochs * steps_per_epoch
 
-    def factor(step):
+    def factor(step: int) -> float:
         if recipe.lr_schedule == "constant":
             return 1.0
         if step >= budget:  # extra epochs replay the budget's last one: lr 0 would train nothing
@@ -36,7 +40,7 @@ def build_scheduler(optimizer, recipe, steps_per_epoch) -> torch.optim.lr_schedu
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_training(run, recipe):
+def build_training(run, recipe: Recipe):
     """(lr, optimizer, scheduler, criterion, EMA or None) for run.raw_model."""
     from .ema import build_ema
 

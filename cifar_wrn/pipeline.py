@@ -28,7 +28,7 @@ def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
     return train, CIFAR10(*val_data, augment=False, **common)
 
 
-def _recalibration_images(recipe, images, world_size):
+def _recalibration_images(recipe, images: int, world_size: int) -> int:
     used = min(recipe.bn_recalibration, images)
     if recipe.bn_recalibration and used < world_size:
         raise DataError(
@@ -37,7 +37,7 @@ def _recalibration_images(recipe, images, world_size):
     return used
 
 
-def random_crop_flip(images, generator: torch.Generator, pad=4) -> torch.Tensor:
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
     (n, c, h, w), device = images.shape, images.device
     padded = torch.nn.functional.pad(images, (pad,) * 4)
     dy, dx = (torch.randint(0, 2 * pad + 1, (n, 1), device=device, generator=generator) for _ in range(2))
@@ -48,7 +48,7 @@ def random_crop_flip(images, generator: torch.Generator, pad=4) -> torch.Tensor:
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
 
 
-def recalibration_batches(train_set, recipe, rank, world_size, device):
+def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
     """This rank's unaugmented bn_recalibration batches, as many as every rank's (sync_bn)."""
     images = _recalibration_images(recipe, len(train_set), world_size)
     if not images:
@@ -68,13 +68,13 @@ class DeviceBatches(Dataset):
 
     def __init__(
         self,
-        images,
-        labels,
+        images: torch.Tensor,
+        labels: torch.Tensor,
         device,
-        augment,
-        seed=0,
-        channels_last=False,
-        normalization="cifar",
+        augment: bool,
+        seed: int = 0,
+        channels_last: bool = False,
+        normalization: str = "cifar",
     ):
         self.device = torch.device(device)
         self.images, self.labels = images.to(self.device), labels.to(self.device)
@@ -84,7 +84,7 @@ class DeviceBatches(Dataset):
         )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:

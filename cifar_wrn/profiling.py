@@ -11,7 +11,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 class PhaseTimer:
     """--profile's phase times; --trace's profiler of steps 3-5, stopped by totals()."""
 
-    def __init__(self, device, enabled, trace_dir: str | None = None, rank=0):
+    def __init__(self, device: torch.device, enabled: bool, trace_dir: str | None = None, rank: int = 0):
         self.enabled, self.cuda, self.marks, self.tracer = enabled, device.type == "cuda", [], None
         if trace_dir:
             profiler, kinds = torch.profiler, torch.profiler.ProfilerActivity
@@ -29,26 +29,26 @@ class PhaseTimer:
             return event
         return time.perf_counter()
 
-    def start(self, device):
+    def start(self, device: torch.device) -> float:
         t0 = synchronized_clock(device)
         self.marks = [(None, self._now())] if self.enabled else []
         return t0
 
-    def attach(self, model, optimizer: torch.optim.Optimizer):
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         """Marks from hooks: the training step itself carries no timer."""
         model.register_forward_pre_hook(lambda *_: self.mark("data"))
         model.register_forward_hook(lambda *_: self.mark("forward"))
         optimizer.register_step_pre_hook(lambda *_: self.mark("backward"))
         optimizer.register_step_post_hook(lambda *_: self.mark("optimizer"))
 
-    def mark(self, phase):
+    def mark(self, phase: str):
         """Ends `phase`."""
         if self.enabled:
             self.marks.append((phase, self._now()))
         if phase == "other" and self.tracer:
             self.tracer.step()
 
-    def totals(self):
+    def totals(self) -> dict:
         """Seconds per phase since start(); one GPU sync."""
         if self.tracer:
             self.tracer.stop()
@@ -63,7 +63,7 @@ class PhaseTimer:
         return out
 
 
-def profile_table(profile, epoch_time, comm_estimate, epoch):
+def profile_table(profile: dict, epoch_time: float, comm_estimate: float, epoch: int) -> str:
     names = (
         "data (waiting for the next batch)",
         "forward",
@@ -80,14 +80,14 @@ def profile_table(profile, epoch_time, comm_estimate, epoch):
     return "\n".join([f"  Profile of epoch {epoch} (rank 0)          seconds   share", *lines])
 
 
-def synchronized_clock(device):
+def synchronized_clock(device: torch.device) -> float:
     """perf_counter after a GPU sync: the clock measures work, not launches."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def allreduce_cost(run, images, repeats=3):
+def allreduce_cost(run, images: torch.Tensor, repeats: int = 3) -> float:
     """Seconds DDP's all-reduce adds to a backward of `images` (with vs without no_sync); state restored."""
     labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
     device, buffers, seconds = run.device, [b.clone() for b in run.raw_model.buffers()], []

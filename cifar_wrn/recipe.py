@@ -90,11 +90,11 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _where(node):
+def _where(node) -> str:
     return f"line {node.start_mark.line + 1}: {node.value if isinstance(node, yaml.ScalarNode) else '...'}"
 
 
-def _coerce(key, value, source):
+def _coerce(key: str, value, source: str):
     if key not in FIELDS:
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
     kind = FIELDS[key].type
@@ -114,7 +114,7 @@ def _coerce(key, value, source):
     return number
 
 
-def load_recipe(name_or_path="baseline", overrides: dict | None = None) -> Recipe:
+def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -> Recipe:
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml") and not path.exists():
         path = RECIPE_DIR / f"{name_or_path}.yaml"  # a shipped recipe
@@ -142,7 +142,7 @@ def load_recipe(name_or_path="baseline", overrides: dict | None = None) -> Recip
     return recipe
 
 
-def parse_set(items: list[str]):
+def parse_set(items: list[str]) -> dict:
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -152,11 +152,11 @@ def parse_set(items: list[str]):
     return out
 
 
-def check_recipe(r):
+def check_recipe(r: Recipe):
     """Ranges only: _coerce refused the values that are not finite."""
     problems = []
 
-    def need(keys, ok, what):
+    def need(keys, ok, what: str):
         problems.extend(f"{k} {what} (got {getattr(r, k)!r})" for k in keys.split() if not ok(getattr(r, k)))
 
     need("epochs batch_size patience reference_batch_size eval_batch_size", lambda v: v >= 1, "must be >= 1")
@@ -186,11 +186,11 @@ def check_recipe(r):
 as_dict = asdict  # a Recipe as {key: value}
 
 
-def memory_format(recipe) -> torch.memory_format:
+def memory_format(recipe: Recipe) -> torch.memory_format:
     return torch.channels_last if recipe.channels_last else torch.contiguous_format
 
 
-def slow_bf16_warning(device_type, precision) -> str | None:
+def slow_bf16_warning(device_type: str, precision: str) -> str | None:
     if device_type != "cpu" or precision != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return (

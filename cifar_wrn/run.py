@@ -26,7 +26,7 @@ class Data:
     recalibration: list = field(default_factory=list)
 
     @property
-    def val_images(self):
+    def val_images(self) -> int:
         return len(self.val_set)
 
     @property
@@ -37,7 +37,7 @@ class Data:
     def generator(self) -> torch.Generator | None:  # the device pipeline's augmentation stream
         return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
 
-    def epoch_loader(self, epoch, skip) -> DataLoader:
+    def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
         """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
@@ -48,7 +48,7 @@ class Data:
         self.train_loader.set_epoch(epoch)
         return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
-    def sizes(self):  # what a resume must match
+    def sizes(self) -> dict:  # what a resume must match
         return dict(train_images=len(self.train_set), val_images=self.val_images, steps_per_epoch=self.steps_per_epoch)
 
 
@@ -72,11 +72,11 @@ class Run:
     lr: float = 0.0
 
     @property
-    def is_main(self):
+    def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def global_batch_size(self):
+    def global_batch_size(self) -> int:
         return self.recipe.batch_size * self.world_size
 
     @property
@@ -88,7 +88,7 @@ class Run:
         return self.raw_model if self.ema is None else self.ema.module
 
     @property
-    def autocast(self):
+    def autocast(self) -> dict:
         return dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.recipe.precision == "bf16")
 
     @property
@@ -100,7 +100,7 @@ class Run:
         model = getattr(self.model, "_orig_mod", self.model)
         return model if isinstance(model, DistributedDataParallel) else None
 
-    def recalibration_batches(self):  # made once
+    def recalibration_batches(self) -> list:  # made once
         data = self.data
         if not data.recalibration:
             data.recalibration = recalibration_batches(

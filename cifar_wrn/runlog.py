@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 
-def git_commit():
+def git_commit() -> str:
     describe = ["git", "describe", "--always", "--dirty", "--abbrev=64", "--exclude=*"]
     try:
         done = subprocess.run(describe, cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
@@ -21,7 +21,7 @@ def git_commit():
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def epoch_line(m):
+def epoch_line(m: dict) -> str:
     # the report reads logs from before training accuracy was counted
     train = f"Training Accuracy = {m['train_accuracy']:.3f}, " if "train_accuracy" in m else ""
     line = (
@@ -39,11 +39,11 @@ def epoch_line(m):
     )
 
 
-def criterion_met(accuracies, target, patience):
+def criterion_met(accuracies: list, target: float, patience: int) -> bool:
     return trailing_streak(accuracies, target) >= patience
 
 
-def trailing_streak(accuracies, target):
+def trailing_streak(accuracies: list, target: float) -> int:
     return next((n for n, accuracy in enumerate(reversed(accuracies)) if not accuracy >= target), len(accuracies))
 
 
@@ -61,20 +61,20 @@ class Progress:
     train_seen: int = 0
 
     @classmethod
-    def of(cls, checkpoint) -> "Progress":
+    def of(cls, checkpoint: dict) -> "Progress":
         return cls(**{f.name: checkpoint[f.name] for f in fields(cls)})
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         return asdict(self)
 
-    def mid_epoch(self, steps_done, seconds, **train_counts) -> "Progress":
+    def mid_epoch(self, steps_done: int, seconds: float, **train_counts) -> "Progress":
         return replace(self, step=steps_done, epoch_time_so_far=seconds, **train_counts)
 
     @property
-    def accuracies(self):
+    def accuracies(self) -> list:
         return [m["val_accuracy"] for m in self.history]
 
-    def end_epoch(self, metrics, recipe):
+    def end_epoch(self, metrics: dict, recipe) -> bool:
         """True when the rule holds."""
         self.history.append(metrics)
         # recounted from every logged accuracy: a resume may have changed target_accuracy or patience
@@ -90,14 +90,14 @@ class Progress:
             )
         return done
 
-    def safety_net_open(self, recipe):
+    def safety_net_open(self, recipe) -> bool:
         left = recipe.epochs + recipe.extra_epochs - self.epoch
         return left > 0 and trailing_streak(self.accuracies, recipe.target_accuracy) + left >= recipe.patience
 
-    def rule_holds(self, recipe):
+    def rule_holds(self, recipe) -> bool:
         return criterion_met(self.accuracies, recipe.target_accuracy, recipe.patience)
 
-    def epochs_left(self, recipe):
+    def epochs_left(self, recipe) -> bool:
         return not self.rule_holds(recipe) and (self.epoch < recipe.epochs or self.safety_net_open(recipe))
 
     def epochs(self, recipe):
@@ -105,11 +105,11 @@ class Progress:
             yield self.epoch
 
 
-def final_line(progress, recipe):
+def final_line(progress: Progress, recipe) -> str:
     return final_text(progress.epoch if progress.rule_holds(recipe) else None, progress.epoch, recipe)
 
 
-def final_text(stopped_at: int | None, epochs_run, recipe):
+def final_text(stopped_at: int | None, epochs_run: int, recipe) -> str:
     extra = min((stopped_at or epochs_run) - recipe.epochs, recipe.extra_epochs)
     if stopped_at:
         note = f" ({extra} safety-net epoch(s) after the {recipe.epochs}-epoch budget)" if extra > 0 else ""
@@ -120,7 +120,7 @@ def final_text(stopped_at: int | None, epochs_run, recipe):
     )
 
 
-def run_log_path(log_json, recipe_name, layout, prefix=""):
+def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> str:
     """Not beside the checkpoints: their disk may fill."""
     if log_json:
         return log_json
@@ -135,7 +135,7 @@ def run_log_path(log_json, recipe_name, layout, prefix=""):
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(args, recipe, run, progress, **launch) -> "JsonLog":
+def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
     layout, prefix = f"{launch['num_nodes']}x{launch['num_gpus']}", "accel-" if run.accelerator else ""
@@ -173,10 +173,10 @@ def open_run_log(args, recipe, run, progress, **launch) -> "JsonLog":
 class JsonLog:
     """Flushed at once: a crash loses nothing written."""
 
-    def __init__(self, path, append=False):
+    def __init__(self, path, append: bool = False):
         self.file = open(path, "a" if append else "w") if path else None
 
-    def write(self, record):
+    def write(self, record: dict):
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

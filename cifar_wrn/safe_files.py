@@ -34,7 +34,7 @@ def _remove(path):  # never a symlink's target
         shutil.rmtree(path)
 
 
-def _fsync(path, flags=0):
+def _fsync(path, flags: int = 0):
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
@@ -42,7 +42,7 @@ def _fsync(path, flags=0):
         os.close(fd)
 
 
-def why(exc: BaseException):
+def why(exc: BaseException) -> str:
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
@@ -61,7 +61,7 @@ def attempt(action, *args) -> str | None:
     return None
 
 
-def stop_unless_written(problems, directory, leftover=None):
+def stop_unless_written(problems: list, directory, leftover=None):
     if problem := agreed_problem(problems):
         if leftover:
             with contextlib.suppress(OSError):
@@ -90,18 +90,18 @@ def _replace(path, write):
             tmp.unlink(missing_ok=True)
 
 
-def save_atomic(state, path):
+def save_atomic(state: dict, path):
     try:
         _replace(path, lambda f: torch.save(state, f))
     except Exception as exc:
         raise CheckpointError(f"could not write {path}: {why(exc)}") from None
 
 
-def _not_ours(path, why):
+def _not_ours(path, why: str) -> str:
     return f"{path} is not a checkpoint this project wrote ({why}); nothing in it ran; resume from one you trust"
 
 
-def load_data_only(path, required=()):
+def load_data_only(path, required: tuple = ()) -> dict:
     with _loading(path, "cannot be read"):
         state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
@@ -141,7 +141,7 @@ def latest_checkpoint(directory) -> str | None:
     return folder if os.path.isdir(folder) else None
 
 
-def publish_checkpoint(directory, incomplete):
+def publish_checkpoint(directory, incomplete: str) -> str:
     """Atomically, via LATEST; the old one goes after."""
     previous = latest_checkpoint(directory)
     number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
@@ -163,7 +163,7 @@ def fresh_folder(folder):
 
 
 @contextlib.contextmanager
-def _loading(where, failed="was found but cannot be loaded into this run"):
+def _loading(where, failed: str = "was found but cannot be loaded into this run"):
     try:
         yield
     except CheckpointError:

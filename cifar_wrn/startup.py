@@ -9,7 +9,7 @@ import torch
 from .profiling import synchronized_clock
 
 
-def warm_up(run, recipe):
+def warm_up(run, recipe) -> float:
     """recipe.startup_steps steps and a validation forward; the seconds taken."""
     if not recipe.startup_steps:
         return 0.0

@@ -2,18 +2,20 @@
 
 from pathlib import Path
 
+import torch
+
 from .agreement import agree_on_flags
 from .bars import EpochBar
 from .launch import launch_fields
 from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from .resilience import StepGuard, install_stop_handlers
-from .runlog import JsonLog, open_run_log
+from .runlog import JsonLog, Progress, open_run_log
 from .startup import warm_up
 
 TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 
 
-def start_training(args, recipe, run, progress) -> "Watch":
+def start_training(args, recipe, run, progress: Progress) -> "Watch":
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
@@ -33,14 +35,14 @@ class Watch:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
 
-    def start_epoch(self, progress):
+    def start_epoch(self, progress: Progress):
         self.progress = progress
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
         track = self.tracker and self.track
         self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size, track)
 
-    def step_done(self, step, loss):
+    def step_done(self, step: int, loss: torch.Tensor) -> bool:
         """True: every rank checkpoints and stops; RunStopped on a non-finite loss."""
         stop = self.guard.check(loss, self.progress.epoch, step, self.run.data.steps_per_epoch, agree_on_flags)
         if not stop:
@@ -48,10 +50,10 @@ class Watch:
         self.timer.mark("other")
         return stop
 
-    def seconds(self):  # a resumed epoch's earlier part included
+    def seconds(self) -> float:  # a resumed epoch's earlier part included
         return self.progress.epoch_time_so_far + synchronized_clock(self.run.device) - self.t0
 
-    def end_epoch(self):
+    def end_epoch(self) -> float:
         """The epoch's training time."""
         self.bar.close()
         epoch_time = self.seconds()
@@ -63,7 +65,7 @@ class Watch:
             self.extras = {"profile": profile, "comm_estimate": comm}
         return epoch_time
 
-    def log_epoch(self, metrics):
+    def log_epoch(self, metrics: dict):
         if self.profile and self.run.is_main:
             print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
@@ -71,10 +73,10 @@ class Watch:
             self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
 
     @property
-    def run_name(self):  # --with-tracking's folder in --project-dir: the run log's (rank 0)
+    def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
         return Path(self.log.file.name).parent.name
 
-    def track(self, values, step):
+    def track(self, values: dict, step: int):
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
             for tag, value in values.items():
                 self.tracker.add_scalar(tag, value, step)
