@@ -10,8 +10,10 @@ from torch.optim.swa_utils import AveragedModel, update_bn
 from .pipeline import recalibration_batches
 
 
-def warmed_up_decay(decay: float, num_updates):
-    return min(decay, (1 + num_updates) / (10 + num_updates))
+def warmed_up_decay(decay: float, num_updates) -> numpy.float32:
+    """In float32, as the device computed it (numpy 1.x would take a Python 1 + a float32 to float64)."""
+    n, f32 = numpy.float32(num_updates), numpy.float32
+    return min(f32(decay), (f32(1) + n) / (f32(10) + n))
 
 
 class WarmedUpEMA(AveragedModel):
@@ -28,8 +30,7 @@ class WarmedUpEMA(AveragedModel):
         if self.updates == 0:
             torch._foreach_copy_(averaged, current)
         else:
-            # float32, as on the device
-            weight = float(1 - warmed_up_decay(numpy.float32(self.decay), numpy.float32(self.updates)))
+            weight = float(numpy.float32(1) - warmed_up_decay(self.decay, self.updates))
             pairs = list(zip(averaged, current))
             floats = [p for p in pairs if p[0].is_floating_point()]
             counters = [p for p in pairs if not p[0].is_floating_point()]

@@ -8,6 +8,7 @@ import shutil
 import signal
 import sys
 
+import numpy
 import pytest
 import torch
 from helpers import (
@@ -136,8 +137,8 @@ def test_resume_problem_names_a_different_data_size():
 
 
 def test_ema_warms_up_and_lives_on_the_model_device():
-    assert [round(ema_module.warmed_up_decay(0.999, n), 3) for n in (0, 8, 80)] == [0.1, 0.5, 0.9]
-    assert ema_module.warmed_up_decay(0.99, 10_000) == 0.99
+    assert [round(float(ema_module.warmed_up_decay(0.999, n)), 3) for n in (0, 8, 80)] == [0.1, 0.5, 0.9]
+    assert ema_module.warmed_up_decay(0.99, 10_000) == numpy.float32(0.99)  # float32, as on the device
     # device=: on a GPU the update counter must live with the weights (NCCL broadcasts only CUDA tensors);
     # the meta device stands in for "not the CPU" here
     assert ema_module.build_ema(WideResNet(width=4).to("meta"), decay=0.9).n_averaged.device.type == "meta"
