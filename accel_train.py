@@ -26,14 +26,11 @@ Collectives that are not course steps say `# beyond R1: <why>` (they live in cif
     # 2 CPU processes (gloo)
     accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --device cpu --data-dir data \
         --train-subset 2000 --val-subset 1000 --epochs 2
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 accel_train.py ...
     python accel_train.py --data-dir data                                  # 1 process, no launcher
 
     # the challenge recipe, resumable
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --recipe fast \
         --checkpoint-dir ckpt --auto-resume
-
-Preemption: SIGTERM to `accelerate launch` (SIGUSR1 kills its agent), or SIGUSR1 to the ranks.
 """
 
 # ==== setup

@@ -1,1 +1,1 @@
-"""Shared, distribution-free pieces of the CIFAR-10 WideResNet trainers (raw_ddp.py, accel_train.py)."""
+"""What the two trainers (raw_ddp.py, accel_train.py) share."""

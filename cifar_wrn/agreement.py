@@ -8,16 +8,14 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (
-    accel_state,
     checkpoint_path,
-    raw_state,
     read_accel_for_resume,
     read_for_resume,
     restore_accel,
     restore_raw,
     resume_disagreement,
     resume_problem,
-    resuming_line,
+    training_state,
     what_was_seen,
     write_folder,
 )
@@ -33,7 +31,6 @@ def _grouped() -> bool:
 
 
 def all_gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
     if not _grouped():
         return [obj]
     out = [None] * dist.get_world_size()
@@ -57,7 +54,6 @@ def together(run, action, *args, note: str | None = None):
 
 
 def agree_on_flags(flags: torch.Tensor) -> None:
-    """StepGuard's flags: the maximum over the ranks, in place."""
     if _grouped():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
 
@@ -83,18 +79,15 @@ def resume(args, recipe, run) -> Progress | None:
     """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (it had finished)."""
     if not (args.resume or args.auto_resume):
         return Progress()
-    directory, raw = args.checkpoint_dir, run.accelerator is None
-    if raw:
+    directory = args.checkpoint_dir
+    if run.accelerator is None:
         where, (saved, problem) = checkpoint_path(directory), read_for_resume(directory, args.resume)
+        restore = (restore_raw, saved, run)
     else:
         where, saved, problem = read_accel_for_resume(directory, args.resume)
         where = where or directory
+        restore = (restore_accel, run.accelerator, where, saved, run.device.type, run.ema, run.data.generator)
     if saved is not None:
-        restore = (
-            (restore_raw, saved, run)
-            if raw
-            else (restore_accel, run.accelerator, where, saved, run.device.type, run.ema, run.data.generator)
-        )
         problem = resume_problem(saved, as_dict(recipe), run.world_size, run.model_width, run.data.sizes())
         problem = problem or attempt(*restore)
     problem = resume_disagreement(all_gather((what_was_seen(saved), problem)))
@@ -104,7 +97,12 @@ def resume(args, recipe, run) -> Progress | None:
         return Progress()
     progress = Progress.of(saved)
     if run.is_main:
-        print(resuming_line(where, progress, run.data.steps_per_epoch, saved["finished"]), flush=True)
+        done = "\nNothing to do: that run had already finished" if saved["finished"] else ""
+        print(
+            f"Resuming from {where}: epoch {progress.epoch + 1}, step {progress.step} of {run.data.steps_per_epoch}, "
+            f"Cumulative Time = {progress.cumulative_time:.3f}{done}",
+            flush=True,
+        )
     return None if saved["finished"] else progress
 
 
@@ -115,13 +113,13 @@ def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = Fals
         cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
         pipeline = None if generator is None else generator.get_state()
         every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
-        state = raw_state(run, progress, finished, every_rng, as_dict(recipe), run.model_width)
+        state = training_state(run, progress, finished, as_dict(recipe), rng=every_rng)
         path = checkpoint_path(directory)
         stop_unless_written(all_gather(attempt(save_atomic, state, path) if run.is_main else None), directory)
         return str(path)
     # every rank save_state's its part into DIR/.incomplete, then the main process publishes it as DIR/state-<n>
     pipeline = all_gather(None if generator is None else generator.get_state())
-    state = accel_state(run, progress, finished, pipeline, as_dict(recipe), run.model_width)
+    state = training_state(run, progress, finished, as_dict(recipe), pipeline=pipeline, device=run.device.type)
     main, incomplete = run.is_main, os.path.join(directory, ".incomplete")
     steps = (
         main and (fresh_folder, incomplete),

@@ -64,35 +64,21 @@ def _device_problem(saved_on: str, running_on: str):
         )
 
 
-def _state(run, progress, finished: bool, recipe: dict, model_width: int, **more) -> dict:
+def training_state(run, progress, finished: bool, recipe: dict, **more) -> dict:
+    # Accelerate's save_state writes these itself
+    raw = {} if run.accelerator else {key: getattr(run, name).state_dict() for key, name in RAW_PARTS.items()}
     return dict(
         progress.as_dict(),
         finished=finished,
         recipe=recipe,
         world_size=run.world_size,
-        model_width=model_width,
+        model_width=run.model_width,
         architecture=ARCHITECTURE,
         **run.data.sizes(),
         ema=None if run.ema is None else run.ema.state_dict(),
+        **raw,
         **more,
     )
-
-
-def raw_state(run, progress, finished: bool, every_rng: list, recipe: dict, model_width: int) -> dict:
-    parts = {key: getattr(run, name).state_dict() for key, name in RAW_PARTS.items()}
-    return _state(run, progress, finished, recipe, model_width, rng=every_rng, **parts)
-
-
-def accel_state(run, progress, finished: bool, pipeline: list, recipe: dict, model_width: int) -> dict:
-    return _state(run, progress, finished, recipe, model_width, pipeline=pipeline, device=run.device.type)
-
-
-def resuming_line(where, progress, steps_per_epoch: int, finished: bool) -> str:
-    line = (
-        f"Resuming from {where}: epoch {progress.epoch + 1}, step {progress.step} of {steps_per_epoch}, "
-        f"Cumulative Time = {progress.cumulative_time:.3f}"
-    )
-    return line + ("\nNothing to do: that run had already finished" if finished else "")
 
 
 def restore_raw(checkpoint: dict, run):

@@ -145,8 +145,7 @@ def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str
         return (
             f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
             f"(distributed_type {distributed_type}, device {device_type}): each would train alone. Without CUDA, "
-            "add --cpu after accel_train.py or set ACCELERATE_USE_CPU=1 (a config's `use_cpu: true` does not reach "
-            "a MULTI_GPU launch's processes); see docs/accelerate.md, CPU traps."
+            "add --cpu after accel_train.py or set ACCELERATE_USE_CPU=1 (docs/accelerate.md, CPU traps)."
         )
     # the single-process launcher sets MASTER_PORT only when asked for several
     if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):

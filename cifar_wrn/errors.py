@@ -68,10 +68,3 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
         else:
             say(f"error: rank {rank} failed:\n{traceback.format_exc()}")
         sys.exit(1)
-
-
-def group_not_formed(who: str, where: str, world_size, timeout: float, exc: Exception, hint: str) -> UserError:
-    return UserError(
-        f"{who}the process group did not form at {where} with world size {world_size} within {timeout:g} s: not "
-        f"every process joined. {hint} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
-    )

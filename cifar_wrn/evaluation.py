@@ -11,7 +11,6 @@ def real_sample_mask(sampler: DistributedSampler) -> torch.Tensor:
 
 
 def tta_logits(model, images: torch.Tensor, flip: bool = False) -> torch.Tensor:
-    """With `flip`, the fp32 mean of the batch's and its mirror's logits."""
     views = (images, images.flip(3)) if flip else (images,)
     return sum(model(view).float() for view in views) / len(views)
 

@@ -18,7 +18,7 @@ from .cli import (
     launcher_world_size,
     local_world_size,
 )
-from .errors import AgreedError, group_not_formed, run_reporting_failures
+from .errors import AgreedError, UserError, run_reporting_failures
 from .recipe import slow_bf16_warning
 
 
@@ -36,7 +36,6 @@ def rendezvous(args, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def forming_group(rank, world_size: int | None, args):
-    """A group that does not form is one UserError."""
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
@@ -44,9 +43,11 @@ def forming_group(rank, world_size: int | None, args):
     except dist.DistError as exc:
         addr, port = (os.environ.get(k, getattr(args, k.lower(), None)) for k in ("MASTER_ADDR", "MASTER_PORT"))
         who = "" if rank is None else f"rank {rank}: "
-        hint = "Start every node with the same node count, processes per node, address and port."
-        raise group_not_formed(
-            who, f"{addr}:{port}", world_size or launcher_world_size(), args.dist_timeout, exc, hint
+        raise UserError(
+            f"{who}the process group did not form at {addr}:{port} with world size "
+            f"{world_size or launcher_world_size()} within {args.dist_timeout:g} s: not every process joined. Start "
+            "every node with the same node count, processes per node, address and port. "
+            f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
         ) from None
 
 
@@ -88,15 +89,13 @@ class Launcher:
 
 
 def launch_fields(args, run) -> dict:
-    """What the run log's header records of the launch."""
     if (acc := run.accelerator) is None:
-        launcher = "torchrun" if launched_by_torchrun() else "mp.spawn"
         return dict(
             num_nodes=args.num_nodes,
             num_gpus=args.num_gpus,
             backend=dist.get_backend(),
             device=run.device.type,
-            launcher=launcher,
+            launcher="torchrun" if launched_by_torchrun() else "mp.spawn",
         )
     import accelerate
 
@@ -115,7 +114,6 @@ def launch_fields(args, run) -> dict:
 
 
 def check_accelerate_launch(accelerator, args, recipe) -> None:
-    """accel_train.py: every process the launch started joined; CPU threads; warnings."""
     import accelerate
     from accelerate.utils import parse_flag_from_env
 

@@ -41,7 +41,6 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
 
 
 def build_training(run, recipe: Recipe):
-    """(lr, optimizer, scheduler, criterion, EMA or None) for run.raw_model."""
     from .ema import build_ema
 
     lr = scaled_lr(recipe, run.global_batch_size)

@@ -42,7 +42,6 @@ class PhaseTimer:
         optimizer.register_step_post_hook(lambda *_: self.mark("optimizer"))
 
     def mark(self, phase: str):
-        """Ends `phase`."""
         if self.enabled:
             self.marks.append((phase, self._now()))
         if phase == "other" and self.tracer:

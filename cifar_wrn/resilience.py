@@ -1,4 +1,4 @@
-"""Stop signals and non-finite losses, agreed by all ranks through the entry point's collective."""
+"""Stop signals and non-finite losses, agreed by all ranks."""
 
 import signal
 from time import monotonic
@@ -36,8 +36,8 @@ class StepGuard:
         self.since = (None, 0, 0.0)  # (epoch, step, clock) of the last agreement
 
     def check(self, loss: torch.Tensor, epoch: int, step: int, steps_per_epoch: int, agree) -> bool:
-        """True: stop and checkpoint; RunStopped on a non-finite loss. Ranks write only their own slots: agree()
-        may MAX or SUM."""
+        """True: stop and checkpoint; RunStopped on a non-finite loss. agree(flags) reduces in place, by MAX or SUM:
+        ranks write only their own slots."""
         first_bad = self.flags[1 + self.rank]
         self.flags[1 + self.rank] = torch.where((first_bad == 0) & ~torch.isfinite(loss.detach()), step + 1, first_bad)
         if (step + 1) % self.every and step + 1 != steps_per_epoch:
@@ -46,8 +46,8 @@ class StepGuard:
         flags[0] = float(_stop_requested)
         if self.since[0] == epoch and step > self.since[1]:  # not across validation
             flags[1 + self.world_size + self.rank] = (monotonic() - self.since[2]) / (step - self.since[1])
-        agreed = agree(flags)
-        agreed = (flags if agreed is None else agreed).tolist()
+        agree(flags)
+        agreed = flags.tolist()
         self.since = (epoch, step, monotonic())
         seconds_per_step = max(agreed[1 + self.world_size :])  # the slowest rank: every rank picks the same
         if seconds_per_step > 0:
