@@ -31,6 +31,8 @@ Collectives that are not course steps say `# beyond R1: <why>` (they live in cif
     # the challenge recipe, resumable
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --recipe fast \
         --checkpoint-dir ckpt --auto-resume
+
+Preemption: SIGTERM to `accelerate launch` (SIGUSR1 kills its agent), or SIGUSR1 to the ranks.
 """
 
 # ==== setup

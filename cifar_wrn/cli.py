@@ -34,7 +34,9 @@ RECIPE_FLAGS = dict(
 
 def add_training_flags(p: argparse.ArgumentParser, launch):
     """The other flags; docs/flags.md explains each."""
-    launch.add_argument("--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (600)")
+    launch.add_argument(
+        "--dist-timeout", type=float, default=600.0, help="seconds any collective may wait (default 600)"
+    )
     add = p.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
     add("--train-subset", type=int, metavar="N", help="train on the first N images only")
@@ -53,7 +55,8 @@ def add_training_flags(p: argparse.ArgumentParser, launch):
     add = p.add_argument_group("logs and diagnostics").add_argument
     add("--log-json", metavar="PATH", help="the JSON-lines log (default: a new folder under runs/)")
     add("--with-tracking", action="store_true", help="TensorBoard events of the epoch line and the loss")
-    add("--project-dir", default="runs", metavar="DIR", help="--with-tracking's folder, a run each (default runs/)")
+    runs = os.environ.get("RUNS_DIR") or "runs"  # by default, in the run's own folder
+    add("--project-dir", default=runs, metavar="DIR", help="--with-tracking's folder, a run each (default runs/)")
     add("--profile", action="store_true", help="per epoch: time in data, forward, backward, optimizer")
     add("--trace", metavar="DIR", help="write a torch.profiler trace of steps 3-5 (TensorBoard/Perfetto)")
     add("--progress", choices=("auto", "on", "off"), default="auto", help="live bars (auto: on a terminal)")
@@ -62,7 +65,7 @@ def add_training_flags(p: argparse.ArgumentParser, launch):
 
 def launch_commands(doc: str) -> str:
     """--help's epilog: the entry point's docstring from its first command on."""
-    return "commands:\n" + doc[doc.index("\n    # ") + 1 :]
+    return doc and "commands:\n" + doc[doc.index("\n    # ") + 1 :]  # None: python -OO
 
 
 def recipe_from_args(args) -> Recipe:
@@ -226,7 +229,8 @@ def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
         asked = os.environ.get(f"ACCELERATE_{setting.upper()}", "no").lower()
         if asked not in ("no", turns_on):
             raise UserError(
-                f"the launch asks for {setting} {asked!r}: set it to {turns_on} or 'no' (the recipe's {key})"
+                f"the launch asks for {setting} {asked!r}: make it {turns_on} or 'no' in its config or flags "
+                f"(the recipe's {key})"
             )
         if asked == turns_on and getattr(recipe, key) != value:
             args.launch_notes.append(

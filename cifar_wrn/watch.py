@@ -74,7 +74,7 @@ class Watch:
 
     @property
     def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
-        return Path(self.log.file.name).parent.name
+        return Path(self.log.file.name).resolve().parent.name
 
     def track(self, values: dict, step: int):
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter

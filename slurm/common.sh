@@ -24,7 +24,7 @@ die() {
 }
 
 # The folder of this file, wherever it is sourced from.
-JOB_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+JOB_LIB=$(cd -- "$(dirname "${BASH_SOURCE[0]}")" >/dev/null && pwd)
 # shellcheck source=slurm/python_env.sh
 source "$JOB_LIB/python_env.sh"
 # shellcheck source=slurm/job.sh

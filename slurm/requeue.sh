@@ -110,14 +110,12 @@ launch_stoppable() {
             kill -TERM "$pid" 2>/dev/null || true
             stopped=1
         else
-            sleep 1
+            sleep 1 || true  # scancel's SIGTERM kills the sleep too: not an error (set -e)
         fi
     done
-    while true; do  # a trap interrupts `wait` (status > 128): wait again until COMMAND has ended
-        status=0
-        wait "$pid" || status=$?
-        kill -0 "$pid" 2>/dev/null || break
-    done
+    # No `wait` until COMMAND has ended: a trap that interrupts it can lose the status (run_preemptable)
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.5 || true; done
+    wait "$pid" || status=$?
     trap - TERM USR1
     return "$status"
 }

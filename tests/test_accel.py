@@ -300,7 +300,8 @@ def test_accelerate_launch_dynamo_backend_is_honoured_or_refused(cifar_dir, tmp_
     assert refused.returncode != 0 and "Epoch" not in refused.stdout  # the launcher makes our 2 its 1
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: the launch asks for dynamo_backend 'aot_eager': set it to inductor or 'no' (the recipe's compile)"
+        "error: the launch asks for dynamo_backend 'aot_eager': make it inductor or 'no' in its config or flags "
+        "(the recipe's compile)"
     ]
 
 

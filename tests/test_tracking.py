@@ -68,3 +68,15 @@ def test_tracking_without_tensorboard_stops_before_any_process_starts(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: --with-tracking writes TensorBoard events: pip install tensorboard (or the extra: .[tensorboard])"
     ]
+
+
+def test_tracking_goes_to_the_run_folders_place_and_help_survives_python_OO(monkeypatch):
+    """--project-dir defaults to where the run folders go ($RUNS_DIR, else runs/), so that a run's events land in
+    its own folder; under python -OO (no docstrings) the parser still builds, without the epilog."""
+    from cifar_wrn.cli import launch_commands
+
+    monkeypatch.setenv("RUNS_DIR", "/scratch/me/runs")
+    assert raw_ddp.parse_args([]).project_dir == "/scratch/me/runs"
+    monkeypatch.delenv("RUNS_DIR")
+    assert raw_ddp.parse_args([]).project_dir == "runs"
+    assert launch_commands(None) is None and launch_commands(raw_ddp.__doc__).startswith("commands:\n    # 1 node")
