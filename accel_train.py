@@ -89,7 +89,7 @@ def setup(local_rank: int, args, recipe) -> Run:
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
-            log_with="tensorboard" if args.with_tracking else None,
+            log_with="tensorboard" if args.with_tracking else None,  # beyond R1: init_trackers in start_training
             project_dir=args.project_dir,
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
         )
@@ -149,10 +149,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         build_model(args, recipe, run)  # A1.8
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
-        if args.with_tracking and run.is_main:  # beyond R1: TensorBoard events of rank 0, in --project-dir
-            run.accelerator.init_trackers(watch.run_name)  # beyond R1: Accelerator(log_with=...)'s tracker
-            watch.tracker = run.accelerator  # accelerator.log(values, step) writes the events
+        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             watch.start_epoch(progress)
             loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip

@@ -146,11 +146,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         build_model(args, recipe, run)  # R1.8
         if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar
-        if args.with_tracking and run.is_main:  # beyond R1: TensorBoard events of rank 0, in --project-dir
-            from torch.utils.tensorboard import SummaryWriter  # the optional extra, checked in R1.1
-
-            watch.tracker = SummaryWriter(os.path.join(args.project_dir, watch.run_name))
+        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped

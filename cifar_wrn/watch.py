@@ -21,7 +21,17 @@ def start_training(args, recipe, run, progress: Progress) -> "Watch":
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
     for note in getattr(args, "launch_notes", []) if run.is_main else []:  # accel_train.py's
         print(f"note: {note}", flush=True)
-    return Watch(args, run, log)
+    watch = Watch(args, run, log)
+    if args.with_tracking and run.is_main:  # TensorBoard events in --project-dir/<the run log's folder>
+        name = Path(log.file.name).resolve().parent.name
+        if run.accelerator:  # Accelerator(log_with="tensorboard"): accelerator.log writes, end_training closes
+            run.accelerator.init_trackers(name)
+            watch.tracker = run.accelerator
+        else:
+            from torch.utils.tensorboard import SummaryWriter  # the optional extra, checked before launch
+
+            watch.tracker = SummaryWriter(str(Path(args.project_dir, name)))
+    return watch
 
 
 class Watch:
@@ -71,10 +81,6 @@ class Watch:
         self.log.write({"kind": "epoch", **metrics, **self.extras})
         if self.tracker:
             self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
-
-    @property
-    def run_name(self) -> str:  # --with-tracking's folder in --project-dir: the run log's (rank 0)
-        return Path(self.log.file.name).resolve().parent.name
 
     def track(self, values: dict, step: int):
         if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
