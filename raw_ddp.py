@@ -54,7 +54,7 @@ from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
-from cifar_wrn.launch import Launcher, forming_group, rendezvous, report_failures
+from cifar_wrn.launch import Launcher, forming_group, report_failures
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import load_datasets
@@ -92,11 +92,12 @@ def setup(local_rank: int, args, recipe) -> Run:
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))  # the node's cores, shared
-    # R1.3 init_process_group: every rank meets at node 0's address and port
-    timeout = timedelta(seconds=args.dist_timeout)
+    # R1.3 init_process_group: every rank meets at node 0's address and port, read from the environment (env://)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)  # R1.3
+    timeout, device_id = timedelta(seconds=args.dist_timeout), device if backend == "nccl" else None
     with forming_group(rank, world_size, args):  # one clear error if not every process joins
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous(args, device)
+            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
     return Run(recipe, rank, local_rank, world_size, device, show_progress(args, rank == 0), None, args.model_width)
 
@@ -254,7 +255,7 @@ if __name__ == "__main__":
     if args.torchrun_local_rank is not None:  # torchrun started this process: it is one rank
         run_process(args.torchrun_local_rank, args, recipe)
         sys.exit(0)
-    launcher = Launcher(args)  # holds the rendezvous (one node, no port); passes stop signals on
+    launcher = Launcher(args)  # one node, no port: opens the rendezvous store itself; passes stop signals on
     # R1.11 torch.multiprocessing.spawn: one process per GPU, each runs run_process(local_rank, ...)
     context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
     launcher.wait(context)  # exits as the ranks did

@@ -193,7 +193,7 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         args.device = "cuda" if cuda_count else "cpu"
         if not cuda_count and node_main:
             print(CPU_FALLBACK_WARNING, file=sys.stderr)
-    args.torchrun_local_rank, args.launcher_store = None, False
+    args.torchrun_local_rank = None
     env_port = os.environ.get("MASTER_PORT", "")
     if launched_by_torchrun():
         local, n, world, rank = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"))

@@ -4,7 +4,6 @@ import contextlib
 import os
 import signal
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,18 +19,6 @@ from .cli import (
 )
 from .errors import AgreedError, UserError, run_reporting_failures
 from .recipe import slow_bf16_warning
-
-
-def rendezvous(args, device: torch.device) -> dict:
-    """Where init_process_group meets: torchrun's environment, the launcher's store, or node 0's address."""
-    if launched_by_torchrun():
-        meet = dict(init_method="env://")
-    elif args.launcher_store:
-        timeout = timedelta(seconds=args.dist_timeout)
-        meet = dict(store=dist.TCPStore(args.master_addr, args.master_port, None, False, timeout=timeout))
-    else:
-        meet = dict(init_method=f"tcp://{args.master_addr}:{args.master_port}")
-    return {**meet, "device_id": device if device.type == "cuda" else None}
 
 
 @contextlib.contextmanager
@@ -64,10 +51,12 @@ class Launcher:
 
     def __init__(self, args):
         self.args, self.processes = args, []
-        args.launcher_store = args.master_port is None
-        if args.launcher_store:
+        if args.master_port is None:  # one node: a port the system picks, held from now on (no race for it)
             self.store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)
             args.master_port = self.store.port
+            # what torchrun's agent sets: env:// at MASTER_ADDR:MASTER_PORT then joins this store as a client
+            os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         for signum in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(signum, self.pass_on)
 
