@@ -8,6 +8,7 @@ reduce (R1.9), print (R1.10).
 """
 
 import argparse
+import gc
 import os
 import socket
 import tempfile
@@ -110,6 +111,7 @@ def process(rank, step, world_size, without):
     if step != "group":  # group shows init_process_group itself
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     STEPS[step](rank, world_size, without)
+    gc.collect()  # a DDP model is freed (its reference cycle) before the group it uses
     if dist.is_initialized():
         dist.destroy_process_group()
 
