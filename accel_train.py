@@ -12,7 +12,16 @@ Where Accelerate replaces a course step, `# A1.<n>` stands for raw_ddp.py's `# R
     A1.9   accelerator.reduce, gather_for_metrics                   epoch_metrics, validate
     A1.10  only the main process prints                             train_process
     A1.11  the launcher starts one process per GPU                  __main__
-Collectives that are not course steps say `# beyond R1: <why>` (they live in cifar_wrn/agreement.py).
+Collectives that are not course steps say `# beyond R1: <why>` where this file calls them; they run in
+    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, checkpoints
+    cifar_wrn/resilience.py check   the stop flags' all_reduce, every few steps (called by watch.step_done)
+    cifar_wrn/ema.py recalibrate_bn average_over_ranks, passed in (recipe key bn_recalibration)
+    cifar_wrn/startup.py warm_up    DDP's forward and backward (recipe key startup_steps)
+    cifar_wrn/profiling.py allreduce_cost  DDP's backward, timed (--profile)
+    cifar_wrn/evaluation.py evaluate_run  gather_for_metrics, passed in (A1.9), on to:
+    cifar_wrn/evaluation.py evaluate  which calls it on each batch's results
+and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
+all-gathers in each one).
 
     # 1 node x 2 GPUs
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --data-dir data

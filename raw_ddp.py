@@ -12,7 +12,14 @@ The course's DDP steps, each tagged `# R1.<n>` where it happens, and the functio
     R1.9   reduce images/sec, all_reduce(AVG) validation            epoch_metrics, validate
     R1.10  only rank 0 prints                                       train_process
     R1.11  torch.multiprocessing.spawn under __main__               __main__
-Collectives that are not course steps say `# beyond R1: <why>` (they live in cifar_wrn/agreement.py).
+Collectives that are not course steps say `# beyond R1: <why>` where this file calls them; they run in
+    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, checkpoints
+    cifar_wrn/resilience.py check   the stop flags' all_reduce, every few steps (called by watch.step_done)
+    cifar_wrn/ema.py recalibrate_bn average_over_ranks, passed in (recipe key bn_recalibration)
+    cifar_wrn/startup.py warm_up    DDP's forward and backward (recipe key startup_steps)
+    cifar_wrn/profiling.py allreduce_cost  DDP's backward, timed (--profile)
+and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
+all-gathers in each one).
 
     # 1 node x 2 GPUs
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data

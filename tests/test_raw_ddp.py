@@ -420,3 +420,50 @@ def test_validation_ratios_are_exact_at_every_world_size(tmp_path):
     assert all(r["accuracy"] == 0.85 and r["accuracy"] >= 0.85 for r in seen.values()), seen
     assert all(r["loss"] == pytest.approx(0.1, abs=1e-12) for r in seen.values())
     assert seen[7]["naive"] < 0.85  # the plain AVG ratio: what the exact one mends
+
+
+def where_collectives_run(entry_point) -> set[tuple[str, str]]:
+    """The places the entry point's docstring names: (module, function), 'every' for a whole module."""
+    doc = (REPO / entry_point).read_text().split('"""')[1]
+    return set(re.findall(r"^    cifar_wrn/(\w+)\.py (\w+) ", doc, re.M))
+
+
+def package_functions() -> dict[tuple[str, str], tuple[list[str], str]]:
+    """(module, function) -> (its parameters, its source), for every function and method in cifar_wrn/."""
+    import ast
+
+    out = {}
+    for path in (REPO / "cifar_wrn").glob("*.py"):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef):
+                params = [a.arg for a in node.args.args + node.args.kwonlyargs]
+                out[path.stem, node.name] = (params, ast.get_source_segment(text, node))
+    return out
+
+
+def collective_callbacks(entry_point) -> set[str]:
+    """Package functions that the entry point or the package hands a collective to (a callback)."""
+    callbacks = r"average_over_ranks|agree_on_flags|gather_for_metrics"
+    texts = [(REPO / entry_point).read_text(), *(p.read_text() for p in (REPO / "cifar_wrn").glob("*.py"))]
+    pattern = rf"(\w+)\((?:[^()]|\([^()]*\))*?\b(?:{callbacks})\b"
+    return {name for text in texts for name in re.findall(pattern, text) if name not in ("def", "import")}
+
+
+@pytest.mark.parametrize("entry_point", ["raw_ddp.py", "accel_train.py"])
+def test_the_docstring_names_every_place_a_collective_runs(entry_point):
+    """Where the entry point's docstring says collectives beyond R1 run is true and complete: each named function
+    calls a collective, a callback it is handed, or DDP's backward; every package function that does (outside
+    agreement.py, named whole) is named, and so is every function handed a collective."""
+    named = where_collectives_run(entry_point)
+    assert ("agreement", "every") in named
+    functions = package_functions()
+    for module, function in named - {("agreement", "every")}:
+        params, source = functions[module, function]
+        calls_a_param = any(re.search(rf"\b{p}(\(|\)$)", source, re.M) for p in params if p not in ("self", "run"))
+        assert COLLECTIVE.search(source) or ".backward(" in source or calls_a_param, (module, function)
+    for (module, function), (_, source) in functions.items():
+        if module != "agreement" and (COLLECTIVE.search(source) or ".backward(" in source):
+            assert (module, function) in named, f"{module}.{function} runs a collective the docstring does not name"
+    handed = collective_callbacks(entry_point) - {"together", "resume", "save_checkpoint", "save_and_stop"}
+    assert handed <= {function for _, function in named}, handed
