@@ -54,8 +54,7 @@ class Launcher:
         if args.master_port is None:  # one node: a port the system picks, held from now on (no race for it)
             self.store = dist.TCPStore(args.master_addr, 0, is_master=True, wait_for_workers=False)
             args.master_port = self.store.port
-            # what torchrun's agent sets: env:// at MASTER_ADDR:MASTER_PORT then joins this store as a client
-            os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+            # as torchrun's agent: the ranks' env:// (raw_ddp.py's R1.3) joins this store as a client
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         for signum in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(signum, self.pass_on)

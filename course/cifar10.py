@@ -43,7 +43,7 @@ def parse_args():
 def train(model, optimizer, train_loader, loss_fn, device):
     """One epoch; returns the training accuracy (predictions made before each step)."""
     model.train()
-    correct, seen = 0, 0
+    correct, seen = torch.zeros((), dtype=torch.int64, device=device), 0  # summed on the device: no wait per step
     for images, labels in train_loader:
         images, labels = images.to(device), labels.to(device)
         outputs = model(images)  # forward pass
@@ -51,23 +51,23 @@ def train(model, optimizer, train_loader, loss_fn, device):
         optimizer.zero_grad()
         loss.backward()  # backward pass: the gradients
         optimizer.step()  # update the weights
-        correct += (outputs.argmax(1) == labels).sum().item()
+        correct += (outputs.argmax(1) == labels).sum()
         seen += len(labels)
-    return correct / seen
+    return correct.item() / seen
 
 
 def test(model, val_loader, loss_fn, device):
     """Validation loss and accuracy: a mean over the images (not over the batches, whose last may be smaller)."""
     model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
+    loss_sum, correct, seen = torch.zeros((), dtype=torch.float64, device=device), 0, 0
     with torch.no_grad():
         for images, labels in val_loader:
             images, labels = images.to(device), labels.to(device)
             outputs = model(images)
-            loss_sum += loss_fn(outputs, labels).item() * len(labels)
-            correct += (outputs.argmax(1) == labels).sum().item()
+            loss_sum += loss_fn(outputs, labels).double() * len(labels)
+            correct += (outputs.argmax(1) == labels).sum()
             seen += len(labels)
-    return loss_sum / seen, correct / seen
+    return loss_sum.item() / seen, correct.item() / seen
 
 
 def main(args):

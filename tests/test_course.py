@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from helpers import EPOCH_LINE, REPO, cpu_env, data_flags, free_port, run
+from helpers import EPOCH_LINE, REPO, data_flags, free_port, run
 
 SINGLE, DDP = REPO / "course" / "cifar10.py", REPO / "course" / "cifar10_ddp.py"
 TAG = re.compile(r"# (R1\.(\d+)\b|beyond R1: \w)")
@@ -99,11 +99,8 @@ def test_the_minimal_ddp_script_prints_raw_ddps_numbers(cifar_dir):
     padded shard counts a repeated image twice); raw_ddp.py sums losses and counts, exact for any split.
     Batch size 32: the course scales the learning rate by the GPUs, raw_ddp.py by global batch / 32; the same here."""
     same = [*data_flags(cifar_dir, 256, 100), "--model-width", 4, "--epochs", 3, "--seed", 1]
-    course = run([sys.executable, DDP, "--num-gpus", 2, "--master-port", free_port(), *same], env=cpu_env())
-    raw = run(
-        [sys.executable, REPO / "raw_ddp.py", "--num-gpus", 2, "--device", "cpu", "--recipe", "baseline", *same],
-        env=cpu_env(),
-    )
+    course = run([sys.executable, DDP, "--num-gpus", 2, "--master-port", free_port(), *same])
+    raw = run([sys.executable, REPO / "raw_ddp.py", "--num-gpus", 2, "--device", "cpu", "--recipe", "baseline", *same])
     assert course.returncode == 0, course.stderr[-3000:]
     assert raw.returncode == 0, raw.stderr[-3000:]
     assert len(numbers(course.stdout)) == 3, course.stdout
@@ -114,7 +111,7 @@ def test_the_minimal_ddp_script_prints_raw_ddps_numbers(cifar_dir):
 @pytest.mark.slow
 def test_the_course_scripts_refuse_missing_data_in_one_line_each(tmp_path):
     for command in ([SINGLE], [DDP, "--num-gpus", 2, "--master-port", free_port()]):
-        result = run([sys.executable, *command, "--data-dir", tmp_path / "none"], timeout=120, env=cpu_env())
+        result = run([sys.executable, *command, "--data-dir", tmp_path / "none"], timeout=120)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode != 0 and errors, result.stderr
         assert set(errors) == {errors[0]} and "CIFAR-10 is not in" in errors[0]

@@ -1,13 +1,12 @@
 """docs/tutorial.md as a student follows it: every command of its bash blocks runs in a fresh folder (the training
 commands on tiny data), and every output it shows is what the command prints, rank by rank."""
 
-import os
 import re
 import shlex
 import sys
 
 import pytest
-from helpers import EPOCH_LINE, REPO, cpu_env, finish, free_port, start, write_cifar
+from helpers import EPOCH_LINE, REPO, cpu_env, finish, free_port, pythonpath_with, start, write_cifar
 
 DOC = REPO / "docs" / "tutorial.md"
 # Appended to the training commands: a few images and the tests' tiny model (later flags win).
@@ -73,7 +72,8 @@ def test_each_tutorial_command_runs_and_prints_what_the_tutorial_shows(command, 
         argv[0] = sys.executable
     if trains:
         argv += [*TINY, *(["--master-port", str(free_port())] if "ddp" in argv[1] else [])]
-    env = cpu_env(PYTHONPATH=os.pathsep.join([str(REPO), cpu_env()["PYTHONPATH"]]))
+    env = cpu_env()
+    env["PYTHONPATH"] = pythonpath_with(REPO, env=env)  # cifar_wrn from the checkout, installed or not
     result = finish(start(argv, env=env, cwd=student_folder), timeout=180)
     if argv[0] == "diff":  # 1: the files differ
         assert result.returncode == 1 and "# R1.11" in result.stdout, result.stderr
