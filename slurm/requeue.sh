@@ -6,9 +6,11 @@
 # means "checkpoint and come back": the shell passes it on to the training, whose ranks agree at
 # their next check (every few steps); rank 0 writes the checkpoint, the training exits with
 # PREEMPTED_EXIT, and the script requeues the job, which runs again under the same job id and
-# resumes from the checkpoint by itself (--auto-resume). SIGTERM (scancel, the end of the job, a
-# preemption without the user signal) is passed on as SIGUSR1 too, for a checkpoint if there is
-# time, but the job is not requeued: a requeue there would undo a scancel. See docs/slurm.md,
+# resumes from the checkpoint by itself (--auto-resume). Only a stop with its checkpoint requeues,
+# and at most MAX_REQUEUES times a job (requeue_or_exit): a job that fails at every signal, or stops
+# at every one without getting anywhere, cannot requeue forever. SIGTERM (scancel, the end of the
+# job, a preemption without the user signal) is passed on as SIGUSR1 too, for a checkpoint if there
+# is time, but the job is not requeued: a requeue there would undo a scancel. See docs/slurm.md,
 # "Preemption and requeue".
 #
 # The accel_* scripts (accel_train.py under `accelerate launch`) call accel_preemption_setup
@@ -26,6 +28,7 @@
 # training's messages: their wording may change.
 
 PREEMPTED_EXIT=75  # raw_ddp.py: "stopped by a signal, checkpoint written: run me again"
+MAX_REQUEUES=${MAX_REQUEUES:-20}  # requeues of one job at most (SLURM_RESTART_COUNT); checked by preemption_setup
 STOP_REQUESTS=0    # stop signals the batch shell has received
 REQUEUE_WANTED=0   # 1 once one of them was SIGUSR1
 STEP_PID=          # the training running in the background (python, or srun); "ended" after it
@@ -64,6 +67,9 @@ on_stop_signal() {
 # trainer's checkpoint arguments), and traps SIGUSR1 and SIGTERM. The checkpoint folder must survive
 # the requeue and be visible from every node: runs/<job id>/ is (a requeued job keeps its id), $TMPDIR is not.
 preemption_setup() {
+    [[ $MAX_REQUEUES =~ ^[0-9]{1,6}$ ]] \
+        || die "MAX_REQUEUES=$MAX_REQUEUES: a whole number (0 or more) of requeues, please"
+    MAX_REQUEUES=$((10#$MAX_REQUEUES))  # 08 is 8, not a bad octal number
     CHECKPOINT_DIR=${CHECKPOINT_DIR:-$RUN_DIR/checkpoints}
     CHECKPOINT_FILE=$CHECKPOINT_DIR/checkpoint.pt
     # shellcheck disable=SC2034  # used by print_banner and the job scripts
@@ -171,24 +177,38 @@ run_preemptable() {
     requeue_or_exit "$status"
 }
 
-# requeue_or_exit STATUS: the end of a job script. After a SIGUSR1, a training that stopped (exit
-# status PREEMPTED_EXIT, or any failure: a launcher the signal reached before it could handle it,
-# say) is requeued: `scontrol requeue`, then exit 0 (Slurm ends this run and queues the job again).
-# Anything else exits with the training's status.
+# requeue_or_exit STATUS: the end of a job script. After a SIGUSR1, a training that stopped with its
+# checkpoint (status PREEMPTED_EXIT, which run_preemptable also gives a failure with a new checkpoint)
+# is requeued unless the job has been MAX_REQUEUES times already (SLURM_RESTART_COUNT: Slurm's own
+# requeues count too): `scontrol requeue`, then exit 0 (Slurm ends this run and queues the job again).
+# A failure without a new checkpoint is not requeued: it would fail again at every signal. Anything
+# not requeued exits with the training's status.
 requeue_or_exit() {
-    local status=$1 output
+    local status=$1 output restarts=${SLURM_RESTART_COUNT:-0} name=${SLURM_JOB_NAME:-job}
+    local again="CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch slurm/${name%.sbatch}.sbatch"
     if (( status == 0 )); then exit 0; fi
+    if (( status != PREEMPTED_EXIT )); then
+        if (( REQUEUE_WANTED == 1 )); then
+            echo "=== not requeued: the training failed (exit status $status) after SIGUSR1 without writing a" \
+                 "new checkpoint; only a stop with its checkpoint is requeued" | tee -a "$LOG"
+        fi
+        exit "$status"
+    fi
     if (( REQUEUE_WANTED == 0 )); then
         if (( STOP_REQUESTS > 0 )); then
             echo "=== not requeued after SIGTERM (scancel, or the end of the job). To continue from the" \
-                 "checkpoint: CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch slurm/${SLURM_JOB_NAME%.sbatch}.sbatch" \
-                 "(a job that Slurm requeues itself resumes from there anyway)" | tee -a "$LOG"
+                 "checkpoint: $again (a job that Slurm requeues itself resumes from there anyway)" | tee -a "$LOG"
         fi
         exit "$status"
     fi
     if [[ -z ${SLURM_JOB_ID:-} ]]; then
         echo "=== not under Slurm: to continue, run the same command again with CHECKPOINT_DIR=$CHECKPOINT_DIR" \
             | tee -a "$LOG"
+        exit "$PREEMPTED_EXIT"
+    fi
+    if (( restarts >= MAX_REQUEUES )); then
+        echo "=== not requeued: job $JOB_ID was requeued $restarts time(s) already, MAX_REQUEUES=$MAX_REQUEUES." \
+             "To continue from the checkpoint: $again" | tee -a "$LOG"
         exit "$PREEMPTED_EXIT"
     fi
     trap '' USR1 TERM  # nothing left to pass on; Slurm ends this run once the job is requeued
@@ -199,8 +219,7 @@ requeue_or_exit() {
     fi
     {
         echo "error: scontrol requeue $SLURM_JOB_ID failed: $output"
-        echo "If squeue does not show the job pending again, continue from the checkpoint in a new job:" \
-             "CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch slurm/${SLURM_JOB_NAME%.sbatch}.sbatch"
+        echo "If squeue does not show the job pending again, continue from the checkpoint in a new job: $again"
     } 2>&1 | tee -a "$LOG" >&2
     exit "$PREEMPTED_EXIT"
 }

@@ -68,6 +68,7 @@ SCRIPT_KNOBS = {
     "LOCAL_WORLD_SIZE",
     "RAISE_IN_RANK",
     "CHECKPOINT_DIR",
+    "MAX_REQUEUES",
     "TMPDIR",
 }
 
@@ -189,6 +190,14 @@ def test_docs_mention_every_script():
     docs = (REPO / "docs" / "slurm.md").read_text()
     for path in SCRIPTS:
         assert f"slurm/{path.name}" in docs, path.name
+
+
+def test_docs_name_the_requeue_cap_and_its_default():
+    """MAX_REQUEUES, as slurm/requeue.sh defaults it, in docs/slurm.md's table of variables and its requeue rule."""
+    default = re.search(r"^MAX_REQUEUES=\$\{MAX_REQUEUES:-(\d+)\}", (SLURM / "requeue.sh").read_text(), re.M)
+    assert default, "slurm/requeue.sh sets no default MAX_REQUEUES"
+    docs = (REPO / "docs" / "slurm.md").read_text()
+    assert f"| `MAX_REQUEUES` | {default[1]} |" in docs and f"`MAX_REQUEUES` times (default {default[1]};" in docs
 
 
 def constraints(path: Path) -> dict[str, str]:
@@ -865,6 +874,134 @@ def test_requeue_refused_keeps_status_75_and_says_how_to_continue(cluster, tmp_p
     assert f"scontrol requeue {job.job_id} failed" in out and "presently disabled" in out, job.describe()
     assert f"CHECKPOINT_DIR={job.run_dir / 'checkpoints'} sbatch" in out, job.describe()
     assert "run 1" not in out and not job.leftovers
+
+
+# A stand-in that every run waits for a stop signal: on SIGUSR1 or SIGTERM it exits STAND_IN_STATUS (75 by
+# default), first writing a new checkpoints/checkpoint.pt if STAND_IN_CHECKPOINT=1; unsignalled, it finishes
+# after STAND_IN_SECONDS. Each run writes its process id to ready-<run>, and the shell's to shell-<run>.pid.
+STOP_PROBE = """#!/bin/bash
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+REPO_DIR=$SLURM_SUBMIT_DIR
+source "$REPO_DIR/slurm/common.sh"
+JOB_ID=$SLURM_JOB_ID
+export RUN_DIR=$RUNS_DIR/$JOB_ID
+LOG=$RUN_DIR/train.log
+mkdir -p "$RUN_DIR"
+preemption_setup
+echo "run ${SLURM_RESTART_COUNT:-0} starts"
+echo $$ > "$RUN_DIR/shell-${SLURM_RESTART_COUNT:-0}.pid"
+run_preemptable "$PYTHON" -c '
+import os, pathlib, signal, sys, time
+run_dir = pathlib.Path(os.environ["RUN_DIR"])
+def stop(*_):  # the first signal counts
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("STAND_IN_CHECKPOINT") == "1":
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "new.tmp").write_bytes(os.urandom(64))
+        os.replace(run_dir / "checkpoints" / "new.tmp", run_dir / "checkpoints" / "checkpoint.pt")
+    print("stand-in " + "stops, status " + os.environ.get("STAND_IN_STATUS", "75"), flush=True)
+    sys.exit(int(os.environ.get("STAND_IN_STATUS", "75")))
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGTERM, stop)
+(run_dir / ("ready-" + os.environ.get("SLURM_RESTART_COUNT", "0"))).write_text(str(os.getpid()))
+time.sleep(float(os.environ.get("STAND_IN_SECONDS", "20")))
+print("stand-in finished " + "unsignalled", flush=True)
+'
+"""
+
+
+def preempt_runs(runs: int):
+    """during(job): SIGUSR1 to the batch shell of each of the job's first `runs` runs once its stand-in waits."""
+
+    def during(job):
+        for n in range(runs):
+            wait_for(job.run_dir / f"ready-{n}", f"the stand-in's start in run {n}", job)
+            preempt(job)
+
+    return during
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "status, checkpoint, requeued",
+    [(2, False, False), (1, False, False), (1, True, True)],
+    ids=["exit-2", "exit-1", "exit-1-new-checkpoint"],
+)
+def test_after_sigusr1_only_a_stop_with_a_checkpoint_requeues(cluster, tmp_path, status, checkpoint, requeued):
+    """SIGUSR1, and the training fails: with no new checkpoint (exit 2: "checkpoint not writable", say) the job
+    is not requeued, it ends with the training's status and says why; had it been requeued it would fail the
+    same way at every time-limit signal. With a new checkpoint the failure is taken as status 75 and requeued."""
+    script = write_script(tmp_path, STOP_PROBE)
+    job = sbatch(
+        cluster,
+        tmp_path,
+        script,
+        timeout=120,
+        during=preempt_runs(1),
+        STAND_IN_STATUS=status,
+        STAND_IN_CHECKPOINT=int(checkpoint),
+        STAND_IN_SECONDS=5,
+    )
+    out = job.output
+    assert f"stand-in stops, status {status}" in out and "SIGUSR1 received; passed on" in out, job.describe()
+    if requeued:
+        assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 1, job.describe()
+        assert "taken as status 75" in out and f"job {job.job_id} requeued" in out, job.describe()
+        assert "stand-in finished unsignalled" in out, job.describe()
+    else:
+        assert job.state == "FAILED" and job.exit_status == status and job.restarts == 0, job.describe()
+        assert f"job {job.job_id} FAILED (exit status {status})" in out, job.describe()
+        assert f"=== not requeued: the training failed (exit status {status}) after SIGUSR1" in out, job.describe()
+        assert "requeued (scontrol" not in out and "run 1" not in out, job.describe()
+    assert not job.leftovers, job.describe()
+
+
+@pytest.mark.slow
+def test_requeues_stop_at_max_requeues(cluster, tmp_path):
+    """MAX_REQUEUES=1: the training stops with status 75 at each SIGUSR1; the first run requeues, the second (its
+    SLURM_RESTART_COUNT=1) does not: it ends with status 75 and says how to continue."""
+    script = write_script(tmp_path, STOP_PROBE)
+    job = sbatch(cluster, tmp_path, script, timeout=150, during=preempt_runs(2), MAX_REQUEUES=1, STAND_IN_SECONDS=15)
+    out = job.output
+    assert job.state == "FAILED" and job.exit_status == 75 and job.restarts == 1, job.describe()
+    assert out.count(f"job {job.job_id} requeued (scontrol") == 1 and "run 1 starts" in out, job.describe()
+    assert out.count(f"job {job.job_id} stopped after") == 2, job.describe()
+    assert f"=== not requeued: job {job.job_id} was requeued 1 time(s) already, MAX_REQUEUES=1" in out, job.describe()
+    assert f"CHECKPOINT_DIR={job.run_dir / 'checkpoints'} sbatch" in out, job.describe()
+    assert "run 2" not in out and "stand-in finished unsignalled" not in out and not job.leftovers, job.describe()
+
+
+@pytest.mark.slow
+def test_a_bad_max_requeues_stops_the_job_at_once(cluster, tmp_path):
+    """MAX_REQUEUES that is no whole number: the job stops before the training, saying so (exit status 2)."""
+    script = write_script(tmp_path, STOP_PROBE)
+    job = sbatch(cluster, tmp_path, script, timeout=60, MAX_REQUEUES="ten", STAND_IN_SECONDS=1)
+    assert job.state == "FAILED" and job.exit_status == 2, job.describe()
+    assert "error: MAX_REQUEUES=ten: a whole number (0 or more) of requeues, please" in job.output, job.describe()
+    assert "run 0 starts" not in job.output, job.describe()
+
+
+@pytest.mark.slow
+def test_a_crash_after_sigterm_is_a_failure(cluster, tmp_path):
+    """SIGTERM to the batch shell (the end of the job), and the training fails without a checkpoint (exit 1): the
+    job ends with status 1, reported as a failure; nothing says it stopped with a checkpoint to continue from."""
+    script = write_script(tmp_path, STOP_PROBE)
+
+    def stop(job):
+        wait_for(job.run_dir / "ready-0", "the stand-in's start", job)
+        os.kill(int((job.run_dir / "shell-0.pid").read_text()), signal.SIGTERM)
+
+    job = sbatch(cluster, tmp_path, script, timeout=60, during=stop, STAND_IN_STATUS=1, STAND_IN_SECONDS=5)
+    out = job.output
+    assert job.state == "FAILED" and job.exit_status == 1 and job.restarts == 0, job.describe()
+    assert "SIGTERM received; passed on" in out and "stand-in stops, status 1" in out, job.describe()
+    assert f"job {job.job_id} FAILED (exit status 1)" in out, job.describe()
+    assert "stopped after" not in out and "not requeued" not in out, job.describe()
+    assert "To continue from the checkpoint" not in out and "taken as status 75" not in out, job.describe()
+    assert not job.leftovers, job.describe()
 
 
 # Long enough to be stopped in the middle: 320 images / 2 ranks / batch 4 = 40 steps an epoch (about
