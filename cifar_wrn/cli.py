@@ -9,9 +9,10 @@ from importlib.util import find_spec
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, said_by_one
 from .model import COURSE_WIDTH
-from .recipe import Recipe, load_recipe, parse_set, slow_bf16_warning
+from .optim import scaled_lr
+from .recipe import FLOAT32_MAX, Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
 from .safe_files import check_writable
 
 CPU_FALLBACK_WARNING = (  # --device auto without CUDA
@@ -90,8 +91,8 @@ def at_least_one(args, *flags: str):
 def check_training_flags(args, writes_outputs: bool = True):
     """`writes_outputs`: this process writes --save and --log-json."""
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
-    if args.dist_timeout <= 0:
-        raise UserError(f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})")
+    if not 0 < args.dist_timeout <= 1e9:  # torch's deadlines: int64 nanoseconds
+        raise UserError(f"--dist-timeout must be a number of seconds in (0, 1e+09] (got {args.dist_timeout:g})")
     for flag, path in (("save", args.save), ("log-json", args.log_json)):
         if path and writes_outputs and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UserError(f"--{flag} {path}: the folder does not exist or is not writable")
@@ -105,6 +106,17 @@ def check_training_flags(args, writes_outputs: bool = True):
         raise UserError(
             "--with-tracking writes TensorBoard events: pip install tensorboard (or the extra: .[tensorboard])"
         )
+
+
+def check_learning_rates(recipe: Recipe, world_size: int):
+    lr, batch = scaled_lr(recipe, recipe.batch_size * world_size), recipe.batch_size * world_size
+    for what, value in (("", lr), ("BatchNorm parameters' ", lr * recipe.bn_lr_scale)):
+        if not value <= FLOAT32_MAX:  # SGD's step would overflow
+            raise RecipeError(
+                f"invalid recipe: the {what}learning rate {value:g} (base_lr {recipe.base_lr:g}, lr_scaling "
+                f"{recipe.lr_scaling}, global batch {batch}, bn_lr_scale {recipe.bn_lr_scale:g}) is beyond "
+                f"{FLOAT32_MAX:.2g}, the largest float32"
+            )
 
 
 def launched_by_torchrun() -> bool:
@@ -184,6 +196,7 @@ def check_launch(args, cuda_device_count: int):
         raise UserError(f"--master-port {port} is already in use on this machine (another run?); pick another port")
 
 
+@said_by_one()  # under torchrun
 def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
     """raw_ddp.py's device and ranks, the flags checked (R1.1)."""
     recipe = recipe_from_args(args)
@@ -205,6 +218,7 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         if args.num_nodes == 1:
             args.master_addr = args.master_addr or "127.0.0.1"
     check_launch(args, cuda_count)
+    check_learning_rates(recipe, args.num_nodes * args.num_gpus)
     if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
@@ -212,6 +226,7 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
     return args, recipe
 
 
+@said_by_one()
 def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
     """accel_train.py's device and precision, the flags checked (A1.1)."""
     from accelerate.utils import parse_flag_from_env
@@ -238,6 +253,7 @@ def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
             )
             recipe = replace(recipe, **{key: value})
     check_training_flags(args)
+    check_learning_rates(recipe, launcher_world_size() or 1)
     if args.device == "cuda" and not cuda:
         raise UserError(NO_CUDA)
     if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not cuda):

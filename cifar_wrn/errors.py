@@ -1,6 +1,9 @@
 """Errors printed as one message with an exit status; imports nothing from cifar_wrn."""
 
+import contextlib
+import os
 import sys
+import time
 import traceback
 
 _before_report: list = []
@@ -21,6 +24,18 @@ class AgreedError(UserError):
     def __init__(self, message: str, shown: bool, note: str | None = None):
         super().__init__(f"{message} (this node: {note})" if note and shown else message)
         self.shown = shown
+
+
+@contextlib.contextmanager
+def said_by_one(wait: float = 10.0):
+    """A UserError each process finds alone, alike: LOCAL_RANK 0 raises it; another waits for the launcher to end
+    it (once one process exits), raising it only if still alive."""
+    try:
+        yield
+    except UserError:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            time.sleep(wait)
+        raise
 
 
 class RunStopped(Exception):

@@ -17,7 +17,7 @@ from .cli import (
     launcher_world_size,
     local_world_size,
 )
-from .errors import AgreedError, UserError, run_reporting_failures
+from .errors import UserError, run_reporting_failures, said_by_one
 from .recipe import slow_bf16_warning
 
 
@@ -109,7 +109,8 @@ def check_accelerate_launch(accelerator, args, recipe) -> None:
     if problem := accelerate_launch_problem(
         world_size, accelerator.distributed_type.value, device.type, accelerate.__version__
     ):
-        raise AgreedError(problem, os.environ.get("LOCAL_RANK", "0") == "0")
+        with said_by_one():  # each process found it alone
+            raise UserError(problem)
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size(world_size)))
         if args.cpu_fallback and not parse_flag_from_env("ACCELERATE_USE_CPU"):

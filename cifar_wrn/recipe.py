@@ -12,6 +12,7 @@ import yaml
 from .errors import UserError
 
 RECIPE_DIR = resources.files(__package__) / "recipes"
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # SGD's step overflows on a learning rate or decay beyond it
 
 
 class RecipeError(UserError):
@@ -75,13 +76,15 @@ FIELDS = {f.name: f for f in fields(Recipe)}
 
 
 class StrictLoader(yaml.SafeLoader):
-    """SafeLoader keeps the last of a key written twice."""
+    """SafeLoader keeps the last of a key written twice (a merge key, <<, writes them twice too)."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, value_node in node.value if isinstance(node, yaml.MappingNode) else []:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            if not isinstance(key_node, yaml.ScalarNode):
                 continue
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: a merge key (<<): write each key itself")
             key = (key_node.tag, key_node.value)
             if key in seen:
                 twice = f"({_where(seen[key])}; {_where(value_node)})"
@@ -165,6 +168,8 @@ def check_recipe(r: Recipe):
     zero_up = "weight_decay warmup_epochs grad_clip_norm extra_epochs startup_steps bn_recalibration num_workers"
     need(zero_up, lambda v: v >= 0, "must be >= 0")
     need("momentum label_smoothing ema_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    need("weight_decay", lambda v: v <= FLOAT32_MAX, f"must be at most {FLOAT32_MAX:.2g}, the largest float32")
+    need("seed", lambda v: 0 <= v < 2**63, "must be in [0, 2**63)")  # torch's are 64-bit: seed + rank, + epoch
     if r.lr_schedule == "warmup_linear" and r.warmup_epochs > r.epochs:
         problems.append(
             f"warmup_epochs {r.warmup_epochs:g} is longer than epochs {r.epochs}: the learning rate "
