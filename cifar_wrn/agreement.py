@@ -3,6 +3,7 @@ checkpoints, so a fault on one stops all with one message."""
 
 import itertools
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,14 +16,15 @@ from .checkpoint import (
     restore_raw,
     resume_disagreement,
     resume_problem,
+    sealed,
     training_state,
     what_was_seen,
-    write_folder,
+    write_training_state,
 )
 from .errors import AgreedError, UserError, agreed_problem
 from .recipe import as_dict
 from .resilience import preempted
-from .runlog import Progress
+from .runlog import Progress, final_line, rule_text
 from .safe_files import attempt, fresh_folder, latest_checkpoint, publish_checkpoint, save_atomic, stop_unless_written
 
 
@@ -76,13 +78,14 @@ def training_counts(run, progress: Progress, correct: torch.Tensor, step_end: in
 
 
 def resume(args, recipe, run) -> Progress | None:
-    """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (it had finished)."""
+    """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (it had finished, and the rule
+    in force leaves nothing to train: said, with the course's last line). A refusal: one line, one rank a node."""
     if not (args.resume or args.auto_resume):
         return Progress()
     directory = args.checkpoint_dir
     if run.accelerator is None:
         where, (saved, problem) = checkpoint_path(directory), read_for_resume(directory, args.resume)
-        restore = (restore_raw, saved, run)
+        restore = (restore_raw, saved, run, where)
     else:
         where, saved, problem = read_accel_for_resume(directory, args.resume)
         where = where or directory
@@ -91,19 +94,33 @@ def resume(args, recipe, run) -> Progress | None:
         problem = resume_problem(saved, as_dict(recipe), run.world_size, run.model_width, run.data.sizes())
         problem = problem or attempt(*restore)
     problem = resume_disagreement(all_gather((what_was_seen(saved), problem)))
-    if problem:
-        raise UserError(f"cannot resume from {where}: {problem}")
+    if problem:  # the same on every rank: one line, from local rank 0 of each node, said before any rank exits
+        # (a launcher ends the other ranks at the first exit: a line said after the teardown could be lost)
+        refusal = f"cannot resume from {where}: {problem}"
+        if run.local_rank == 0:
+            print(f"error: {refusal}", file=sys.stderr, flush=True)
+        all_gather(None)
+        raise AgreedError(refusal, shown=False)
     if saved is None:
         return Progress()
     progress = Progress.of(saved)
+    # the rule in force decides, also for a run that had stopped early under the one of its time
+    nothing_left = saved["finished"] and not progress.epochs_left(recipe)
     if run.is_main:
-        done = "\nNothing to do: that run had already finished" if saved["finished"] else ""
         print(
             f"Resuming from {where}: epoch {progress.epoch + 1}, step {progress.step} of {run.data.steps_per_epoch}, "
-            f"Cumulative Time = {progress.cumulative_time:.3f}{done}",
+            f"Cumulative Time = {progress.cumulative_time:.3f}",
             flush=True,
         )
-    return None if saved["finished"] else progress
+        if nothing_left:
+            print(f"Nothing to do: that run had already finished\n{final_line(progress, recipe)}", flush=True)
+        elif saved["finished"]:
+            print(
+                f"That run had stopped early after epoch {progress.epoch} ({rule_text(saved['recipe'])}); under the "
+                f"rule now in force ({rule_text(as_dict(recipe))}) it trains on",
+                flush=True,
+            )
+    return None if nothing_left else progress
 
 
 def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = False) -> str:
@@ -114,16 +131,19 @@ def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = Fals
         pipeline = None if generator is None else generator.get_state()
         every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
         state = training_state(run, progress, finished, as_dict(recipe), rng=every_rng)
+        state = sealed(state) if run.is_main else None  # its checksum, checked on resume
         path = checkpoint_path(directory)
         stop_unless_written(all_gather(attempt(save_atomic, state, path) if run.is_main else None), directory)
         return str(path)
-    # every rank save_state's its part into DIR/.incomplete, then the main process publishes it as DIR/state-<n>
+    # every rank save_state's its part into DIR/.incomplete; the main process adds training_state.pt, with the
+    # checksums of every file there, and publishes it as DIR/state-<n>
     pipeline = all_gather(None if generator is None else generator.get_state())
     state = training_state(run, progress, finished, as_dict(recipe), pipeline=pipeline, device=run.device.type)
     main, incomplete = run.is_main, os.path.join(directory, ".incomplete")
     steps = (
         main and (fresh_folder, incomplete),
-        (write_folder, run.accelerator.save_state, incomplete, state if main else None),
+        (run.accelerator.save_state, incomplete),
+        main and (write_training_state, incomplete, state),
         main and (publish_checkpoint, directory, incomplete),
     )
     for i, step in enumerate(steps):  # a failed first step leaves nothing to remove

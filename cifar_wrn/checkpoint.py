@@ -1,5 +1,8 @@
 """What the trainers' checkpoints hold, and what a resume checks."""
 
+import hashlib
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -7,7 +10,16 @@ import torch
 from .errors import agreed_problem
 from .model import ARCHITECTURE
 from .recipe import Recipe, as_dict
-from .safe_files import LATEST, TRAINING_STATE, CheckpointError, _loading, _not_ours, latest_checkpoint, load_data_only
+from .safe_files import (
+    LATEST,
+    STATE_FOLDER,
+    TRAINING_STATE,
+    CheckpointError,
+    _loading,
+    _not_ours,
+    latest_named,
+    load_data_only,
+)
 
 
 def checkpoint_path(directory) -> Path:
@@ -25,12 +37,94 @@ KEYS = (
     "train_seen ema"
 ).split()
 RAW_PARTS = {"model": "raw_model", "optimizer": "optimizer", "scheduler": "scheduler"}  # checkpoint key: run's
-RAW_KEYS, ACCEL_KEYS = KEYS + ["model", "optimizer", "scheduler", "rng"], KEYS + ["pipeline", "device"]
+# digest: every other key's checksum (digest_of); files: each file save_state wrote -> its sha256
+RAW_KEYS = KEYS + ["model", "optimizer", "scheduler", "rng", "digest"]
+ACCEL_KEYS = KEYS + ["pipeline", "device", "files", "digest"]
+RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")
 
 
 NO_CHECKPOINT = (
     "start without --resume, or use --auto-resume to start fresh when there is none). Every node must see it."
 )
+
+
+def digest_of(state: dict) -> str:
+    """sha256 of what a checkpoint holds, every key but `digest`, value by value (a tensor: its dtype, shape and
+    bytes): the same after torch.save and torch.load, whatever the file's layout."""
+    h = hashlib.sha256()
+    _hash(h, {key: value for key, value in state.items() if key != "digest"})
+    return h.hexdigest()
+
+
+def _hash(h, value):
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(f"dict {len(value)}\n".encode())
+        for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
+            _hash(h, key)
+            _hash(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__} {len(value)}\n".encode())
+        for item in value:
+            _hash(h, item)
+    else:  # numbers, strings, None: what weights-only loading gives back besides tensors
+        text = repr(value)
+        h.update(f"{type(value).__name__} {len(text)} {text}\n".encode())
+
+
+def sealed(state: dict) -> dict:
+    return {**state, "digest": digest_of(state)}
+
+
+DAMAGED = (
+    "(a changed byte: a damaged disk or copy, or an edit): refused, as a truncated file is. Resume from an intact "
+    "copy, or start afresh in an empty --checkpoint-dir"
+)
+
+
+def check_digest(state: dict, path):
+    if digest_of(state) != state["digest"]:
+        raise CheckpointError(f"{path} does not match the checksum it was written with {DAMAGED}")
+
+
+def file_digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def folder_digests(folder) -> dict:
+    """name -> sha256, for every file save_state wrote in `folder`."""
+    return {p.name: file_digest(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != TRAINING_STATE}
+
+
+def check_files(folder, state: dict, process_index: int):
+    """Each file this process's load_state reads (of the random states, its own) is as written."""
+    for name, digest in state["files"].items():
+        if (own := RANDOM_STATES.fullmatch(name)) and int(own.group(1)) != process_index:
+            continue
+        path = Path(folder) / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing ({TRAINING_STATE} lists it)")
+        if file_digest(path) != digest:
+            raise CheckpointError(f"{path} does not match the checksum {TRAINING_STATE} holds for it {DAMAGED}")
+
+
+def other_trainers_checkpoint(directory, accel: bool):
+    """Never resumed as an empty folder, nor written into."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if accel:
+        theirs, ours = [str(checkpoint_path(directory))] if "checkpoint.pt" in names else [], f"{LATEST}, state-<n>"
+    else:
+        theirs, ours = sorted(n for n in names if n == LATEST or STATE_FOLDER.fullmatch(n)), "checkpoint.pt"
+    if theirs:
+        (other, this) = ("raw_ddp.py", "accel_train.py") if accel else ("accel_train.py", "raw_ddp.py")
+        raise CheckpointError(
+            f"{directory} holds {other}'s checkpoint ({', '.join(theirs)}), not {this}'s ({ours}): resume it with "
+            f"{other}, or give {this} another --checkpoint-dir"
+        )
 
 
 def load_checkpoint(directory) -> dict:
@@ -40,10 +134,9 @@ def load_checkpoint(directory) -> dict:
     return load_data_only(path, RAW_KEYS)
 
 
-def write_folder(save_state, folder, state: dict | None):
-    save_state(folder)
-    if state is not None:
-        torch.save(state, Path(folder) / TRAINING_STATE)
+def write_training_state(folder, state: dict):
+    """After every rank's save_state: training_state.pt, with the checksum of each file they wrote, and its own."""
+    torch.save(sealed({**state, "files": folder_digests(folder)}), Path(folder) / TRAINING_STATE)
 
 
 def read_training_state(folder) -> dict:
@@ -81,10 +174,11 @@ def training_state(run, progress, finished: bool, recipe: dict, **more) -> dict:
     )
 
 
-def restore_raw(checkpoint: dict, run):
+def restore_raw(checkpoint: dict, run, path="the checkpoint"):
     with _loading("its part of the checkpoint"):
         rng, device = checkpoint["rng"][run.rank], run.device
         _device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
+        check_digest(checkpoint, path)
         for key, name in RAW_PARTS.items():
             getattr(run, name).load_state_dict(checkpoint[key])
         if run.ema is not None:
@@ -109,6 +203,8 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
         if not isinstance(rng, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= rng.keys():
             raise CheckpointError(_not_ours(path, "it is not a random state"))
         _device_problem(state["device"], device_type)
+        check_digest(state, folder / TRAINING_STATE)
+        check_files(folder, state, accelerator.process_index)
         accelerator.load_state(folder, load_kwargs={"weights_only": True})
         if ema is not None:
             ema.load_state_dict(state["ema"])
@@ -118,6 +214,7 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
 
 def read_for_resume(directory, required: bool) -> tuple[dict | None, str | None]:
     try:
+        other_trainers_checkpoint(directory, accel=False)
         return (load_checkpoint(directory) if required or checkpoint_path(directory).is_file() else None), None
     except CheckpointError as exc:
         return None, str(exc)
@@ -127,7 +224,13 @@ def read_accel_for_resume(directory, required: bool) -> tuple[str | None, dict |
     """A problem, not an error, so that every node stops together."""
     folder = None
     try:
-        folder = latest_checkpoint(directory)
+        other_trainers_checkpoint(directory, accel=True)
+        if (named := latest_named(directory)) and not os.path.isdir(named):
+            raise CheckpointError(
+                f"{os.path.join(directory, LATEST)} names {os.path.basename(named)}, which is missing (removed, or "
+                f"not copied with {LATEST}): refused. Put that folder back, or remove {LATEST} to start afresh"
+            )
+        folder = named
         if folder is None and required:
             raise CheckpointError(
                 f"--resume: no checkpoint in {directory} (no {LATEST} naming a state-<n> folder; {NO_CHECKPOINT}"

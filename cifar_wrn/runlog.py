@@ -43,6 +43,11 @@ def criterion_met(accuracies: list, target: float, patience: int) -> bool:
     return trailing_streak(accuracies, target) >= patience
 
 
+def rule_text(recipe: dict) -> str:
+    """The stopping rule of a recipe (as_dict's, or a checkpoint's) in its keys' words."""
+    return f"target_accuracy {recipe['target_accuracy']}, patience {recipe['patience']}"
+
+
 def trailing_streak(accuracies: list, target: float) -> int:
     return next((n for n, accuracy in enumerate(reversed(accuracies)) if not accuracy >= target), len(accuracies))
 

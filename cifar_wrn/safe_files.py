@@ -122,7 +122,14 @@ STATE_FOLDER = re.compile(r"state-(\d+)")
 
 
 def latest_checkpoint(directory) -> str | None:
-    """The state-<n> folder DIR/LATEST names, or None; others may write LATEST."""
+    """The state-<n> folder DIR/LATEST names, or None (no LATEST, or the folder it names is missing)."""
+    folder = latest_named(directory)
+    return folder if folder and os.path.isdir(folder) else None
+
+
+def latest_named(directory) -> str | None:
+    """DIR/state-<n>, as DIR/LATEST names it (the folder may be missing), or None without LATEST; others may
+    write LATEST."""
     pointer = os.path.join(directory, LATEST)
     try:
         fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
@@ -138,7 +145,7 @@ def latest_checkpoint(directory) -> str | None:
         raise CheckpointError(
             f"{pointer} {what}, not a state-<n> folder (no link) of {directory}: refused. Remove {LATEST}"
         )
-    return folder if os.path.isdir(folder) else None
+    return folder
 
 
 def publish_checkpoint(directory, incomplete: str) -> str:

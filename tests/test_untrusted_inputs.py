@@ -23,7 +23,7 @@ from helpers import (
     write_cifar,
 )
 
-from cifar_wrn.checkpoint import ACCEL_KEYS, load_checkpoint, read_training_state
+from cifar_wrn.checkpoint import ACCEL_KEYS, folder_digests, load_checkpoint, read_training_state, sealed
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.data import DataError, load_split
 from cifar_wrn.safe_files import TRAINING_STATE, CheckpointError
@@ -247,12 +247,17 @@ def test_an_accel_folder_of_the_earlier_layout_is_refused_unread(accel_checkpoin
 @pytest.mark.xdist_group("test_untrusted_inputs.accel_checkpoint")
 @pytest.mark.parametrize("crafted", [TRAINING_STATE, "optimizer.bin", "random_states_0.pkl"])
 def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted):
-    """What accel_train.py reads: its own file, and what accelerator.load_state reads."""
+    """What accel_train.py reads: its own file, and what accelerator.load_state reads. Whoever can write the
+    folder can also write the checksums training_state.pt holds for the other files: they are rewritten to match,
+    so that weights-only loading, not the checksum, must refuse the crafted file."""
     ck, flags, _ = accel_checkpoint
     shutil.copytree(ck, tmp_path / "ck")
     folder = tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text().strip()
     path = folder / crafted
     torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
+    if crafted != TRAINING_STATE:
+        state = torch.load(folder / TRAINING_STATE, weights_only=True)
+        torch.save(sealed({**state, "files": folder_digests(folder)}), folder / TRAINING_STATE)
     before = path.read_bytes()
     result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -369,11 +374,14 @@ def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir,
     with the flags it was written with (resume_flags), so that only rank 1's missing part can stop the run."""
     ck = resume_runs.copy("raw/ck", tmp_path)
     state = torch.load(ck / "checkpoint.pt")
-    torch.save({**state, "rng": state["rng"][:1]}, ck / "checkpoint.pt")  # data only, but rank 1's part is gone
+    # data only, its checksum made to match, but rank 1's part is gone
+    torch.save(sealed({**state, "rng": state["rng"][:1]}), ck / "checkpoint.pt")
     result = raw_ddp("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"))
     assert result.returncode == 2, result.stderr[-3000:]
-    expected = "rank 1: its part of the checkpoint was found but cannot be loaded into this run (IndexError"
-    assert result.stderr.count(expected) == 2, result.stderr[-3000:]  # each rank says why it stopped
+    expected = "error: cannot resume from {}: rank 1: its part of the checkpoint was found but cannot be loaded into "
+    expected = expected.format(ck / "checkpoint.pt") + "this run (IndexError"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-3000:]  # said once, by rank 0
     assert "Traceback" not in result.stderr and "Epoch = " not in result.stdout
 
 
