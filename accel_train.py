@@ -147,7 +147,7 @@ def build_model(args, recipe, run: Run) -> None:
         run.raw_model, run.optimizer, run.scheduler
     )  # A1.8
     run.raw_model = run.accelerator.unwrap_model(run.model)  # A1.8
-    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank augments differently
+    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
 
 # ==== train

@@ -143,7 +143,7 @@ def build_model(args, recipe, run: Run) -> None:
     run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run, recipe)
     if recipe.compile:
         run.model = torch.compile(run.model)
-    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank augments differently
+    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
 
 # ==== train
@@ -158,6 +158,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped
+            run.data.train_set.set_epoch(epoch)  # each image augmented from (seed, epoch, index): resumes exact
             watch.start_epoch(progress)
             correct = train_epoch(args, recipe, run, run.data.train_loader, progress, watch)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged

@@ -173,7 +173,15 @@ def _as_made(batch):
     return batch
 
 
+def image_seed(seed: int, epoch: int, index: int) -> int:
+    """One image's augmentation seed in one epoch: mixed from all three, so no two images or epochs share a stream."""
+    return int(numpy.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, numpy.uint64)[0])
+
+
 class CIFAR10(Dataset):
+    """With a `seed`, image i of epoch e is augmented from its own seed (seed, e, i) (set_epoch(e) first): the
+    same numbers whichever process, worker or resumed run draws it. Without one, from torch's global stream."""
+
     def __init__(
         self,
         images: torch.Tensor,
@@ -181,10 +189,12 @@ class CIFAR10(Dataset):
         augment: bool,
         augmentation: str = "crop_flip",
         normalization: str = "cifar",
+        seed: int | None = None,
     ):
         from torchvision.transforms import v2  # lazy: it imports torch._dynamo (slow)
 
-        self.images, self.labels = images, labels
+        self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # read by the loader's workers, persistent too
         if not augment:
             steps = []
         elif augmentation == "course":  # the course script's transform_train, on uint8 tensors
@@ -203,8 +213,15 @@ class CIFAR10(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
     def __getitem__(self, index: int):
-        return self.transform(self.images[index]), self.labels[index]
+        if not self.augment or self.seed is None:
+            return self.transform(self.images[index]), self.labels[index]
+        with torch.random.fork_rng(devices=[]):  # torchvision's transforms draw from the global CPU generator
+            torch.default_generator.manual_seed(image_seed(self.seed, int(self.epoch), int(index)))
+            return self.transform(self.images[index]), self.labels[index]
 
 
 class SkipFirst(Sampler):

@@ -1,6 +1,7 @@
 """Errors printed as one message with an exit status; imports nothing from cifar_wrn."""
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -60,6 +61,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
     """train(), any failure reported by its rank, with an exit status."""
     say = lambda text: print(text, file=sys.stderr, flush=True)
+    status = 0
     try:
         try:
             train()
@@ -69,11 +71,11 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
     except RunStopped as exc:
         if str(rank) == "0":  # 75, a preemption, is no error
             say(f"{'error: ' if exc.status in (1, 2) else ''}{exc}")
-        sys.exit(exc.status)
+        status = exc.status
     except UserError as exc:
         if getattr(exc, "shown", True):
             say(f"error: {exc}")
-        sys.exit(2)
+        status = 2
     except Exception as exc:
         if isinstance(exc, lost_contact_types) or any(text in str(exc) for text in PEER_LOST):
             say(
@@ -82,4 +84,9 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
             )
         else:
             say(f"error: rank {rank} failed:\n{traceback.format_exc()}")
-        sys.exit(1)
+        status = 1
+    # Past the except clauses the failure's frames are freed, a DataLoader's workers with them: held to the
+    # interpreter's exit, they would meet multiprocessing's SIGTERM, which they ignore, and the exit would wait.
+    gc.collect()
+    if status:
+        sys.exit(status)

@@ -24,7 +24,7 @@ def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
         common.update(device=run.device, channels_last=recipe.channels_last)
         train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + run.rank, **common)
         return train, DeviceBatches(*val_data, augment=False, **common)
-    train = CIFAR10(*train_data, augment=recipe.augment, augmentation=recipe.augmentation, **common)
+    train = CIFAR10(*train_data, recipe.augment, recipe.augmentation, seed=recipe.seed, **common)
     return train, CIFAR10(*val_data, augment=False, **common)
 
 
@@ -98,3 +98,6 @@ class DeviceBatches(Dataset):
         return images, self.labels[index]
 
     __getitems__ = __getitem__  # whole batches: not collated again
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing: the augmentation stream is this rank's generator, whose state a checkpoint holds."""

@@ -39,6 +39,7 @@ class Data:
 
     def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
         """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
+        self.train_set.set_epoch(epoch)  # each image's augmentation: (seed, epoch, index)
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch)
             self.train_batches.skip = skip

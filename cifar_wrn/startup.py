@@ -9,9 +9,12 @@ import torch
 from .profiling import synchronized_clock
 
 
-def warm_up(run, recipe) -> float:
-    """recipe.startup_steps steps and a validation forward; the seconds taken."""
-    if not recipe.startup_steps:
+def warm_up(run, recipe, resumed: bool = False) -> float:
+    """recipe.startup_steps steps and a validation forward; the seconds taken. A resumed DDP run takes at least one:
+    DDP reorders its gradient buckets after a process's first backward, which the run never stopped did at its first
+    step, and from 3 ranks on the all-reduce's order of additions follows the buckets' layout."""
+    steps = max(recipe.startup_steps, int(resumed and run.ddp is not None))
+    if not steps:
         return 0.0
     t0, device, optimizer = time.perf_counter(), run.device, run.optimizer
     parts = [part for part in (run.raw_model, run.ema, optimizer, run.scheduler) if part is not None]
@@ -20,7 +23,7 @@ def warm_up(run, recipe) -> float:
         random_images = lambda n: torch.randn(n, 3, 32, 32, device=device).contiguous(memory_format=run.layout)
         images, labels = random_images(recipe.batch_size), torch.randint(0, 10, (recipe.batch_size,), device=device)
         run.model.train()
-        for _ in range(recipe.startup_steps):
+        for _ in range(steps):
             with torch.autocast(**run.autocast):
                 loss = run.criterion(run.model(images), labels)
             optimizer.zero_grad(set_to_none=True)

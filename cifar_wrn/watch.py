@@ -17,7 +17,8 @@ TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumu
 
 def start_training(args, recipe, run, progress: Progress) -> "Watch":
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
-    startup = warm_up(run, recipe) if progress.epochs_left(recipe) else 0.0
+    resumed = bool(progress.epoch or progress.step)
+    startup = warm_up(run, recipe, resumed) if progress.epochs_left(recipe) else 0.0
     log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
     for note in getattr(args, "launch_notes", []) if run.is_main else []:  # accel_train.py's
         print(f"note: {note}", flush=True)

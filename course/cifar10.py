@@ -77,12 +77,12 @@ def main(args):
     # The course's augmentation: flip, rotation, shear and scale, colour jitter (CIFAR10 with augmentation="course").
     download_cifar10(args.data_dir)
     try:
-        train_set = CIFAR10(*load_split(args.data_dir, True, args.train_subset), True, "course", "course")
+        train_set = CIFAR10(*load_split(args.data_dir, True, args.train_subset), True, "course", "course", args.seed)
         val_set = CIFAR10(*load_split(args.data_dir, False, args.val_subset), False, "course", "course")
     except DataError as exc:  # no data, or a damaged file: one line, not a traceback
         raise SystemExit(f"error: {exc}") from None
     workers = 4 if device.type == "cuda" else 0  # augmenting on the CPU while the GPU trains
-    # The loaders draw their seeds (shuffle, workers) from a stream of their own, apart from augmentation's.
+    # The loaders draw their seeds (shuffle, workers) from a stream of their own, apart from dropout's.
     loader_rng = torch.Generator().manual_seed(args.seed)
     train_loader = DataLoader(
         train_set,
@@ -100,10 +100,11 @@ def main(args):
     model = WideResNet(width=args.model_width).to(device)
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=0.9)
-    torch.manual_seed(args.seed)  # augmentation and dropout draw from here on
+    torch.manual_seed(args.seed)  # dropout draws from here on
 
     val_accuracies, total_time = [], 0.0
     for epoch in range(args.epochs):
+        train_set.set_epoch(epoch)  # each image augmented from a seed of its own: (seed, epoch, image index)
         t0 = time.time()
         train_accuracy = train(model, optimizer, train_loader, loss_fn, device)
         epoch_time = time.time() - t0

@@ -103,12 +103,12 @@ def main(local_rank, args):  # R1.11 mp.spawn calls it in each process with its 
         download_cifar10(args.data_dir)  # R1.4
     dist.barrier()  # R1.4
     try:
-        train_set = CIFAR10(*load_split(args.data_dir, True, args.train_subset), True, "course", "course")
+        train_set = CIFAR10(*load_split(args.data_dir, True, args.train_subset), True, "course", "course", args.seed)
         val_set = CIFAR10(*load_split(args.data_dir, False, args.val_subset), False, "course", "course")
     except DataError as exc:  # no data, or a damaged file: one line, not a traceback
         raise SystemExit(f"error: {exc}") from None
     workers = 4 if device.type == "cuda" else 0  # augmenting on the CPU while the GPU trains
-    # The loaders draw their seeds (shuffle, workers) from a stream of their own, apart from augmentation's.
+    # The loaders draw their seeds (shuffle, workers) from a stream of their own, apart from dropout's.
     loader_rng = torch.Generator().manual_seed(args.seed + rank)  # beyond R1: each rank's workers their own seeds
     # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images (shuffled, or in order)
     train_loader = DataLoader(
@@ -131,10 +131,11 @@ def main(local_rank, args):  # R1.11 mp.spawn calls it in each process with its 
     loss_fn = nn.CrossEntropyLoss()
     lr = args.base_lr * world_size  # beyond R1: the linear scaling rule, world_size x the images per step
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    torch.manual_seed(args.seed + rank)  # beyond R1: each rank its own augmentation and dropout
+    torch.manual_seed(args.seed + rank)  # beyond R1: each rank its own dropout
 
     val_accuracies, total_time = [], 0.0
     for epoch in range(args.epochs):
+        train_set.set_epoch(epoch)  # each image augmented from a seed of its own: (seed, epoch, image index)
         train_loader.sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch, the same on every rank
         t0 = time.time()
         train_accuracy = train(model, optimizer, train_loader, loss_fn, device)

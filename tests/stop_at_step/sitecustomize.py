@@ -1,0 +1,53 @@
+"""Put on PYTHONPATH by tests/test_exact_resume.py and test_start_up_stop.py: in every Python process started with it,
+STOP_AT="E,S" asks for a stop in epoch E (1-based) at step S, as a SIGUSR1 arriving then would (the ranks agree
+to stop at their next agreement, checkpoint and exit 75), and LOADER_WORKERS=N gives the loaders N
+DataLoader worker processes on the CPU too (the trainers use workers only on GPUs), and SLOW_START holds each rank
+in its start-up. Nothing in the trainers knows
+of it."""
+
+import os
+import runpy
+from pathlib import Path
+
+# Python imports one sitecustomize: this one shadows tests/lean_gc's, so run that one too.
+runpy.run_path(str(Path(__file__).parents[1] / "lean_gc" / "sitecustomize.py"))
+
+if os.environ.get("STOP_AT"):
+    from cifar_wrn import resilience
+
+    STOP_EPOCH, STOP_STEP = (int(n) for n in os.environ["STOP_AT"].split(","))
+    check = resilience.StepGuard.check
+
+    def check_after_a_signal(self, loss, epoch, step, *args, **kwargs):
+        if (epoch + 1, step) == (STOP_EPOCH, STOP_STEP):
+            resilience.request_stop()
+        return check(self, loss, epoch, step, *args, **kwargs)
+
+    resilience.StepGuard.check = check_after_a_signal
+
+if os.environ.get("LOADER_WORKERS"):
+    from cifar_wrn import data
+
+    options = data.loader_options
+
+    def with_workers(recipe, dataset, run):
+        chosen = options(recipe, dataset, run)
+        if recipe.data_pipeline == "dataloader":
+            chosen.update(num_workers=int(os.environ["LOADER_WORKERS"]), persistent_workers=True)
+        return chosen
+
+    data.loader_options = with_workers
+
+if os.environ.get("SLOW_START"):  # a folder: each rank writes rank-<r> there as it loads the data, then waits 3 s
+    import time
+
+    from cifar_wrn import pipeline
+
+    load = pipeline.load_datasets
+
+    def slow_load(args, recipe, run):
+        Path(os.environ["SLOW_START"], f"rank-{run.rank}").touch()
+        time.sleep(3)
+        return load(args, recipe, run)
+
+    pipeline.load_datasets = slow_load
