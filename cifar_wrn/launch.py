@@ -19,6 +19,7 @@ from .cli import (
 )
 from .errors import UserError, run_reporting_failures, said_by_one
 from .recipe import slow_bf16_warning
+from .resilience import STOP_SIGNALS, install_stop_handlers
 
 
 @contextlib.contextmanager
@@ -39,6 +40,8 @@ def forming_group(rank, world_size: int | None, args):
 
 
 def report_failures(train, local_rank: int, args, recipe) -> None:
+    install_stop_handlers()  # a stop from now on, start-up included, checkpoints and stops at the first step
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # Launcher's ranks start with them blocked: now due
     rank = os.environ.get("RANK") or getattr(args, "node_id", 0) * getattr(args, "num_gpus", 1) + local_rank
     run_reporting_failures(
         lambda: train(local_rank, args, recipe), rank, (dist.DistBackendError, dist.DistNetworkError)
@@ -56,8 +59,10 @@ class Launcher:
             args.master_port = self.store.port
             # as torchrun's agent: the ranks' env:// (raw_ddp.py's R1.3) joins this store as a client
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-        for signum in (signal.SIGUSR1, signal.SIGTERM):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self.pass_on)
+        # held until wait() knows the ranks, which inherit the mask: held there too, until their handlers are in
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
     def pass_on(self, signum, frame) -> None:
         for process in self.processes:
@@ -66,6 +71,7 @@ class Launcher:
 
     def wait(self, context) -> None:
         self.processes.extend(context.processes)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a stop held since __init__ is passed on now
         try:
             while not context.join(grace_period=10):
                 pass

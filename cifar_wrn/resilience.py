@@ -20,9 +20,12 @@ def request_stop(*_) -> None:
     _stop_requested = True
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
 def install_stop_handlers() -> None:
     """SIGUSR1 and SIGTERM mean "checkpoint and stop", never "die now"."""
-    for signum in (signal.SIGUSR1, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, request_stop)
 
 
