@@ -163,6 +163,7 @@ def loader_options(recipe, dataset, run) -> dict:
         num_workers=num_workers,
         pin_memory=per_image_on_gpu,
         persistent_workers=num_workers > 0,
+        multiprocessing_context="fork" if num_workers else None,  # not spawn (mp.spawn's ranks): no import, at once
         worker_init_fn=ignore_stop_signal,
         generator=torch.Generator().manual_seed(recipe.seed + run.rank),
         collate_fn=_as_made if hasattr(dataset, "__getitems__") else None,

@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import sys
 import time
@@ -88,5 +89,7 @@ def run_reporting_failures(train, rank, lost_contact_types: tuple = ()):
     # Past the except clauses the failure's frames are freed, a DataLoader's workers with them: held to the
     # interpreter's exit, they would meet multiprocessing's SIGTERM, which they ignore, and the exit would wait.
     gc.collect()
+    for child in multiprocessing.active_children():  # a DataLoader worker left ignores multiprocessing's SIGTERM
+        child.kill()
     if status:
         sys.exit(status)
