@@ -4,6 +4,7 @@ import contextlib
 import os
 import signal
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 from .cli import (
     CPU_FALLBACK_WARNING,
     accelerate_launch_problem,
+    free_port,
     launched_by_torchrun,
     launcher_name,
     launcher_world_size,
@@ -27,6 +29,7 @@ def forming_group(rank, world_size: int | None, args):
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
+        own_store_after_a_restart(args.dist_timeout)
         yield
     except dist.DistError as exc:
         addr, port = (os.environ.get(k, getattr(args, k.lower(), None)) for k in ("MASTER_ADDR", "MASTER_PORT"))
@@ -37,6 +40,23 @@ def forming_group(rank, world_size: int | None, args):
             "every node with the same node count, processes per node, address and port. "
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
         ) from None
+
+
+def own_store_after_a_restart(timeout: float) -> None:
+    """torchrun's agent (accelerate launch's too) keeps one store for all its attempts, and a restarted group could
+    read the dead attempt's addresses there and fail, or hang (pytorch/pytorch#135712, #167288). So each attempt
+    after the first meets in a store of its own: rank 0 picks a port and says which through the agent's store."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout)
+    )
+    key = f"cifar_wrn/attempt-{attempt}/port"
+    if os.environ.get("RANK") == "0":
+        agent.set(key, str(free_port()))
+    os.environ["MASTER_PORT"] = agent.get(key).decode()  # waits for rank 0, at most `timeout`
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # env://: rank 0 serves the new store
 
 
 def report_failures(train, local_rank: int, args, recipe) -> None:

@@ -378,8 +378,7 @@ def preemptible(trainer, cifar_dir):
     if trainer == "raw":
         command = lambda *extra: [sys.executable, "raw_ddp.py", *flags(cifar_dir, *NET, *extra)]
         return command, cpu_env()
-    # the device pipeline: accel_train.py's prepared loader fetches a batch ahead, so with the per-image pipeline
-    # a resume in the middle of an epoch is not bitwise (docs/accelerate.md, "Checkpoints, resume, preemption")
+    # the device pipeline here; the per-image one resumes as exactly (tests/test_exact_resume.py)
     accel_flags = reliability_flags(cifar_dir, "--set", "data_pipeline=device", "--set", "augmentation=crop_flip", *NET)
     return lambda *extra: accelerate_command(CONFIGS / "two_cpus.yaml", *accel_flags, *extra), accel_env()
 
