@@ -6,6 +6,8 @@ baseline: DataLoader over cifar_wrn.data.CIFAR10 (per-image RandomCrop + flip + 
           num_workers=0 on CPU (workers would take the same cores), --workers on GPU.
 device:   cifar_wrn.pipeline.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
           the whole uint8 set on the device, one batched crop/flip/normalise per step.
+seeded:   the baseline with each image augmented from its own seed (seed, epoch, index), as the trainers do
+          (CIFAR10(seed=0)): what exact resumes cost, as the ratio seeded / baseline.
 Both produce normalised float batches on --device; the ratio is device / baseline from the same run.
 """
 
@@ -46,6 +48,7 @@ def main():
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers for the baseline on GPU")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--augmentation", choices=["crop_flip", "course"], default="crop_flip", help="the per-image one")
     args = p.parse_args()
     global CLOCK
     CLOCK = apply_timing_flags(args)
@@ -64,8 +67,7 @@ def main():
             f"{args.batch_size} images in one epoch of {len(labels)}: use --batches {per_epoch - 1} or fewer"
         )
     workers = args.workers if device.type == "cuda" else 0
-    baseline = DataLoader(
-        CIFAR10(images, labels, augment=True),
+    per_image = dict(
         batch_size=args.batch_size,
         shuffle=True,
         drop_last=True,
@@ -73,20 +75,24 @@ def main():
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
     )
+    baseline = DataLoader(CIFAR10(images, labels, True, args.augmentation), **per_image)
+    seeded = DataLoader(CIFAR10(images, labels, True, args.augmentation, seed=0), **per_image)
     on_device = DeviceBatches(images, labels, device, augment=True, seed=0)
     fast = DataLoader(
         on_device, batch_size=None, sampler=BatchSampler(RandomSampler(on_device), args.batch_size, drop_last=True)
     )
     print(
         f"# data pipeline: {source}; device {device}, {args.threads} threads, {args.clock} clock, "
-        f"batch {args.batch_size}, "
+        f"batch {args.batch_size}, {args.augmentation} per image, "
         f"{args.batches} batches x {args.repeats} repeats (best of each)"
     )
-    rates = {"baseline": 0.0, "device": 0.0}
-    for _ in range(args.repeats):  # interleaved, so that machine noise hits both alike
-        rates["baseline"] = max(rates["baseline"], images_per_sec(baseline, device, args.batches))
-        rates["device"] = max(rates["device"], images_per_sec(fast, device, args.batches))
+    rates = {"baseline": 0.0, "seeded": 0.0, "device": 0.0}
+    for _ in range(args.repeats):  # interleaved, so that machine noise hits all alike
+        for name, loader in (("baseline", baseline), ("seeded", seeded), ("device", fast)):
+            rates[name] = max(rates[name], images_per_sec(loader, device, args.batches))
     print(f"baseline DataLoader   {rates['baseline']:12.0f} images/sec")
+    print(f"  per-image seeds     {rates['seeded']:12.0f} images/sec")
+    print(f"ratio seeded/baseline {rates['seeded'] / rates['baseline']:12.2f}x")
     print(f"on-device pipeline    {rates['device']:12.0f} images/sec")
     print(f"ratio device/baseline {rates['device'] / rates['baseline']:12.2f}x")
 
