@@ -17,6 +17,7 @@
 #   DATA_DIR       where each node puts its copy of the data (default $TMPDIR/cifar10)
 #   REPO_DIR       the repository (default: the folder sbatch was run from)
 #   CHECKPOINT_DIR where the checkpoints go (default runs/<job id>/checkpoints)
+#   MAX_REQUEUES   most requeues of one job after a stop signal (default 20; requeue.sh)
 
 die() {
     echo "error: $*" >&2

@@ -222,9 +222,10 @@ def test_raw_ddp_takes_at_most_30_names_from_the_package_and_every_module_has_on
 
 
 def test_the_training_code_stays_small():
-    """The entry points and cifar_wrn/ (the report aside) in non-space characters: smaller, not only moved."""
+    """The entry points and cifar_wrn/ (the report aside) in non-space characters: smaller, not only moved.
+    116,000 since issue #59 (checksums, exact resumes, refusals, start-up stops, elastic restarts: 9,500 more)."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(len(re.sub(r"\s", "", path.read_text())) for path in files) <= 106_000
+    assert sum(len(re.sub(r"\s", "", path.read_text())) for path in files) <= 116_000
 
 
 @pytest.mark.parametrize("name", ["raw_ddp.py", "accel_train.py"])
