@@ -741,18 +741,18 @@ def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_
     assert one_process.returncode != 0 and "written by 2 processes, this run has 1" in one_process.stderr
 
 
-def is_rank(process) -> bool:
+def is_rank(process, script: str = "accel_train.py") -> bool:
     try:
-        return "accel_train.py" in " ".join(process.cmdline())
+        return script in " ".join(process.cmdline())
     except psutil.Error:  # a short-lived helper process of the launcher, gone meanwhile
         return False
 
 
-def worker_processes(launcher_pid, count=2, timeout=60):
-    """The ranks: accelerate launch runs torchrun's agent in its own process; the ranks are its children."""
+def worker_processes(launcher_pid, count=2, timeout=60, script="accel_train.py"):
+    """The ranks: accelerate launch (torchrun) runs its agent in its own process; the ranks are its children."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = [p for p in psutil.Process(launcher_pid).children(recursive=True) if is_rank(p)]
+        children = [p for p in psutil.Process(launcher_pid).children(recursive=True) if is_rank(p, script)]
         if len(children) == count:
             return children
         time.sleep(0.1)

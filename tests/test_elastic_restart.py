@@ -6,24 +6,12 @@ import json
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 from helpers import cpu_env, finish, raw_flags, start, torchrun_command, wait_for_epoch
+from test_accel import worker_processes
 
 from cifar_wrn.runlog import read_log
-
-
-def ranks_of(launcher_pid, count=2, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ranks = [
-            p for p in psutil.Process(launcher_pid).children(recursive=True) if "raw_ddp.py" in " ".join(p.cmdline())
-        ]
-        if len(ranks) == count:
-            return ranks
-        time.sleep(0.1)
-    pytest.fail("ranks did not start")
 
 
 @pytest.mark.slow
@@ -38,7 +26,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_one_never_stopped(cifa
     log, ck = tmp_path / "l.jsonl", tmp_path / "ck"
     elastic = torchrun_command("--max-restarts", 1, "raw_ddp.py", *flags, "--checkpoint-dir", ck, "--auto-resume")
     proc = start([*elastic, "--save", tmp_path / "r.pt", "--log-json", log], env=cpu_env())
-    ranks = ranks_of(proc.pid)
+    ranks = worker_processes(proc.pid, script="raw_ddp.py")
     wait_for_epoch(log)  # epoch 1 logged (and checkpointed right after)
     time.sleep(1)
     ranks[1].send_signal(signal.SIGKILL)

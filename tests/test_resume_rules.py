@@ -50,26 +50,31 @@ def launch(trainer: str, data_dir, *runs: list) -> list:
     return [finish(proc, TIMEOUT) for proc in procs]
 
 
-@pytest.fixture(scope="module")
-def two_epoch_runs(cifar_dir, tmp_path_factory) -> dict:
-    """trainer -> a folder holding ck/ (the checkpoint after epoch 2) and log.jsonl, of 2 epochs with
-    --target-accuracy 0.99 (unmet); both trainers' runs side by side. Tests resume from copies (copy_run)."""
-    folders = {trainer: tmp_path_factory.mktemp(f"first_{trainer}") for trainer in TRAINERS}
+def runs_side_by_side(cifar_dir, tmp_path_factory, name: str, *flags) -> tuple[dict, dict]:
+    """Both trainers' runs with `flags` at once, each in a folder of its own (ck/, log.jsonl): trainer -> folder,
+    trainer -> result, each run checked to have exited 0."""
+    folders = {trainer: tmp_path_factory.mktemp(f"{name}_{trainer}") for trainer in TRAINERS}
     procs = {
         trainer: start(
-            command(
-                trainer,
-                cifar_dir,
-                *["--epochs", 2, "--target-accuracy", FIRST_TARGET],
-                *["--checkpoint-dir", folder / "ck", "--log-json", folder / "log.jsonl"],
-            ),
+            command(trainer, cifar_dir, *flags, "--checkpoint-dir", folder / "ck", "--log-json", folder / "log.jsonl"),
             env=cpu_env() if trainer == "raw" else accel_env(),
         )
         for trainer, folder in folders.items()
     }
-    for trainer, proc in procs.items():
-        result = finish(proc, TIMEOUT)
+    results = {trainer: finish(proc, TIMEOUT) for trainer, proc in procs.items()}
+    for trainer, result in results.items():
         assert result.returncode == 0, f"{trainer}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return folders, results
+
+
+@pytest.fixture(scope="module")
+def two_epoch_runs(cifar_dir, tmp_path_factory) -> dict:
+    """trainer -> a folder holding ck/ (the checkpoint after epoch 2) and log.jsonl, of 2 epochs with
+    --target-accuracy 0.99 (unmet); both trainers' runs side by side. Tests resume from copies (copy_run)."""
+    folders, results = runs_side_by_side(
+        cifar_dir, tmp_path_factory, "first", "--epochs", 2, "--target-accuracy", FIRST_TARGET
+    )
+    for trainer, result in results.items():
         assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2], result.stdout
         _, epochs = read_log(folders[trainer] / "log.jsonl")
         # what the tests rely on: the first run's target unmet, the resumes' target (0.01) met after each epoch
@@ -169,22 +174,9 @@ def test_a_checkpoint_without_the_training_counts_is_refused(cifar_dir, tmp_path
 def stopped_early_runs(cifar_dir, tmp_path_factory) -> dict:
     """trainer -> a folder holding ck/ and log.jsonl of a run of up to 3 epochs that stopped early after epoch 1
     (--target-accuracy 0.01 --patience 1: met at once); its checkpoint says it finished. Both side by side."""
-    folders = {trainer: tmp_path_factory.mktemp(f"stopped_{trainer}") for trainer in TRAINERS}
-    procs = {
-        trainer: start(
-            command(
-                trainer,
-                cifar_dir,
-                *["--epochs", 3, "--target-accuracy", 0.01, "--patience", 1],
-                *["--checkpoint-dir", folder / "ck", "--log-json", folder / "log.jsonl"],
-            ),
-            env=cpu_env() if trainer == "raw" else accel_env(),
-        )
-        for trainer, folder in folders.items()
-    }
-    for trainer, proc in procs.items():
-        result = finish(proc, TIMEOUT)
-        assert result.returncode == 0, f"{trainer}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    flags = ["--epochs", 3, "--target-accuracy", 0.01, "--patience", 1]
+    folders, results = runs_side_by_side(cifar_dir, tmp_path_factory, "stopped", *flags)
+    for trainer, result in results.items():
         assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1], result.stdout
         assert last_line(result.stdout) == "Early stopping after epoch 1", result.stdout
         state = torch.load(training_state_file(folders[trainer] / "ck", trainer), weights_only=True)

@@ -754,7 +754,8 @@ def reworded_repo(tmp_path: Path) -> Path:
 
 # A stand-in for the training, for the batch-shell side: it waits for SIGUSR1 (or SIGTERM) and then
 # exits 75 (as raw_ddp.py does after writing its checkpoint); run again after a requeue, it finishes.
-PREEMPT_PROBE = """#!/bin/bash
+# The first lines of the stand-in job scripts below: a requeueable job that sets up its preemption.
+PROBE_HEADER = """#!/bin/bash
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
@@ -765,7 +766,11 @@ export RUN_DIR=$RUNS_DIR/$JOB_ID
 LOG=$RUN_DIR/train.log
 mkdir -p "$RUN_DIR"
 preemption_setup
-echo "run ${SLURM_RESTART_COUNT:-0}, checkpoint args: ${RESUME_ARGS[*]}"
+"""
+
+PREEMPT_PROBE = (
+    PROBE_HEADER
+    + """echo "run ${SLURM_RESTART_COUNT:-0}, checkpoint args: ${RESUME_ARGS[*]}"
 echo $$ > "$RUN_DIR/shell.pid"
 run_preemptable "$PYTHON" -c '
 import os, pathlib, signal, sys, time
@@ -782,6 +787,7 @@ pathlib.Path(os.environ["RUN_DIR"], "ready").write_text(str(os.getpid()))
 time.sleep(100)
 '
 """
+)
 
 
 @pytest.mark.slow
@@ -879,18 +885,9 @@ def test_requeue_refused_keeps_status_75_and_says_how_to_continue(cluster, tmp_p
 # A stand-in that every run waits for a stop signal: on SIGUSR1 or SIGTERM it exits STAND_IN_STATUS (75 by
 # default), first writing a new checkpoints/checkpoint.pt if STAND_IN_CHECKPOINT=1; unsignalled, it finishes
 # after STAND_IN_SECONDS. Each run writes its process id to ready-<run>, and the shell's to shell-<run>.pid.
-STOP_PROBE = """#!/bin/bash
-#SBATCH --requeue
-#SBATCH --open-mode=append
-set -euo pipefail
-REPO_DIR=$SLURM_SUBMIT_DIR
-source "$REPO_DIR/slurm/common.sh"
-JOB_ID=$SLURM_JOB_ID
-export RUN_DIR=$RUNS_DIR/$JOB_ID
-LOG=$RUN_DIR/train.log
-mkdir -p "$RUN_DIR"
-preemption_setup
-echo "run ${SLURM_RESTART_COUNT:-0} starts"
+STOP_PROBE = (
+    PROBE_HEADER
+    + """echo "run ${SLURM_RESTART_COUNT:-0} starts"
 echo $$ > "$RUN_DIR/shell-${SLURM_RESTART_COUNT:-0}.pid"
 run_preemptable "$PYTHON" -c '
 import os, pathlib, signal, sys, time
@@ -911,6 +908,7 @@ time.sleep(float(os.environ.get("STAND_IN_SECONDS", "20")))
 print("stand-in finished " + "unsignalled", flush=True)
 '
 """
+)
 
 
 def preempt_runs(runs: int):
