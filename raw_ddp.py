@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     launch = p.add_argument_group("launch")
     launch.add_argument("--num-nodes", type=int, default=1, help="machines taking part")  # R1.1
     launch.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1")  # R1.1
-    launch.add_argument("--num-gpus", type=int, default=1, help="processes on this machine, one per GPU")  # R1.1
+    launch.add_argument("--num-gpus", type=int, default=1, help="processes on this machine (GPUs or CPU)")  # R1.1
     launch.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address ($MASTER_ADDR)")
     launch.add_argument("--master-port", type=int, help="node 0's TCP port ($MASTER_PORT)")
     launch.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA, else CPU")

@@ -925,6 +925,37 @@ def test_pdf_column_widths_share_the_page_by_content():
     assert widths[2] > widths[0]  # the long text gets the room
 
 
+def test_a_crowded_pdf_table_keeps_every_word_whole():
+    """The scaling table of runs named as the trainers name them: 13 columns whose widest words do not fit side by
+    side at the table's size. The words drawn (fpdf's uncompressed text operators) are the words given: none is
+    broken across lines ("processe s", "Amda hl" before); the table is set smaller instead."""
+    import re
+
+    pytest.importorskip("fpdf")
+    from cifar_wrn.report.pdf import Layout, _document, _table, load_fpdf
+
+    pdf = _document(load_fpdf())
+    pdf.set_compression(False)
+    head = ["run", "processes (world size)", "nodes x per node", "Cumulative Time to target (s)", "mean Images/sec"]
+    head += [
+        "final val accuracy",
+        "compared with",
+        "speedup (images/sec)",
+        "efficiency",
+        "Karp-Flatt serial fraction e",
+    ]
+    head += ["Amdahl S(2)", "Amdahl S(4)", "Amdahl S(8)"]
+    row = ["baseline-2x4-20261207-060608", "8", "2x4", "not reached", "10956.8", "0.8629"]
+    row += ["baseline-1x1-20261207-060608", "1.215", "0.608", "0.6459", "1.215", "1.362", "1.449"]
+    lay = Layout(compact=True)
+    _table(pdf, lay, head, [row], size=lay.table - 0.7)
+    drawn = [
+        text.replace(rb"\(", b"(").replace(rb"\)", b")") for text in re.findall(rb"\((.*?)\) ?Tj", bytes(pdf.output()))
+    ]
+    words = {word for text in drawn for word in text.decode("latin-1").split()}
+    assert {word for cell in head + row for word in cell.split()} - words == set()
+
+
 def test_the_sections_and_steps_carry_the_course_item_they_answer(logs):
     """Layouts find a requirement's section by its id, and a slot by its type, never by the words."""
     from cifar_wrn.report.content import Slot, Table

@@ -4,6 +4,7 @@ text (fpdf's get_string_width), no column under its widest word, so no word is b
 CELL_PADDING = 0.8  # mm inside a table cell, each side
 CELL_SLACK = 2 * CELL_PADDING + 0.6  # a cell's width beyond its text: the padding, and room for rounding
 MIN_COLUMN = 8.0  # mm: no column narrower
+SMALLEST = 4.5  # points: no table set smaller
 
 
 def _text_width(pdf, text: str, style: str, size: float) -> float:
@@ -46,3 +47,11 @@ def column_widths(pdf, columns: list[list[tuple[str, str]]], size: float) -> tup
     sharing the page's width between the margins."""
     natural, floor = measure(pdf, columns, size)
     return tuple(share_widths(natural, floor, pdf.epw))
+
+
+def fitting(pdf, columns: list[list[tuple[str, str]]], size: float) -> tuple[float, tuple[float, ...]]:
+    """The largest size up to `size` (in quarter points, not under SMALLEST) at which every column's widest word
+    fits beside the others', and the widths there: a crowded table is set smaller, its words never broken."""
+    while size > SMALLEST and sum(max(f, MIN_COLUMN) for f in measure(pdf, columns, size)[1]) > pdf.epw:
+        size -= 0.25
+    return size, column_widths(pdf, columns, size)

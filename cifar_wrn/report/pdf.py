@@ -17,7 +17,7 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 from pathlib import Path
 
 from ..errors import UserError
-from .columns import CELL_PADDING, column_widths
+from .columns import CELL_PADDING, fitting
 from .content import Bullets, Code, Image, PdfContent, Section, Slot, Table, Text
 
 MAX_PAGES = 4  # the course's limit
@@ -117,12 +117,11 @@ def _styled(head: list, rows: list[list]) -> list[list[tuple[str, str]]]:
 
 
 def _table(pdf, lay: Layout, head: list, rows: list[list], size: float | None = None) -> None:
-    """A table with `head` as headings, its column widths from its content; a slot the student has not
-    written yet is marked."""
+    """A table with `head` as headings, its column widths from its content (set smaller where its widest words
+    would not fit side by side); a slot the student has not written yet is marked."""
     from fpdf.fonts import FontFace
 
-    size = size or lay.table
-    widths = column_widths(pdf, _styled(head, rows), size)
+    size, widths = fitting(pdf, _styled(head, rows), size or lay.table)  # smaller, if words would break
     pdf.set_font("Helvetica", "", size)
     pdf.set_text_color(*DARK)
     mine = FontFace(emphasis="ITALICS", color=RED)
