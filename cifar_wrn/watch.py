@@ -8,7 +8,7 @@ from .agreement import agree_on_flags
 from .bars import EpochBar
 from .launch import launch_fields
 from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
-from .resilience import StepGuard, install_stop_handlers
+from .resilience import StepGuard
 from .runlog import JsonLog, Progress, open_run_log
 from .startup import warm_up
 
@@ -36,8 +36,7 @@ def start_training(args, recipe, run, progress: Progress) -> "Watch":
 
 
 class Watch:
-    def __init__(self, args, run, log: JsonLog):
-        install_stop_handlers()
+    def __init__(self, args, run, log: JsonLog):  # the stop handlers: installed as the rank starts (report_failures)
         self.run, self.log, self.profile = run, log, args.profile
         self.guard = StepGuard(run.rank, run.world_size, run.device)
         self.timer = PhaseTimer(run.device, enabled=args.profile, trace_dir=args.trace, rank=run.rank)

@@ -192,7 +192,7 @@ def test_ema_without_host_syncs_averages_bit_for_bit_as_the_device_counter_did()
 def record_evaluation_broadcasts(monkeypatch):
     """Record what cifar_wrn.agreement broadcasts (as a group of several would: one process broadcasts nothing)
     and the EMA built (cifar_wrn.ema.build_ema, which cifar_wrn.optim calls)."""
-    from cifar_wrn import agreement, watch
+    from cifar_wrn import agreement
 
     calls, emas = [], []
     original_broadcast, original_build = agreement.dist.broadcast, ema_module.build_ema
@@ -208,7 +208,6 @@ def record_evaluation_broadcasts(monkeypatch):
     monkeypatch.setattr(agreement, "_grouped", lambda: True)
     monkeypatch.setattr(agreement.dist, "broadcast", broadcast)
     monkeypatch.setattr(ema_module, "build_ema", build)
-    monkeypatch.setattr(watch, "install_stop_handlers", lambda: None)  # keep pytest's own signal handlers
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # and its thread count
     return calls, emas
 

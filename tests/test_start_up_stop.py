@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-from helpers import cpu_env, finish, pythonpath_with, raw_flags, start
-from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
-from test_exact_resume import STOP_AT_STEP
+from helpers import finish, raw_flags, start
+from test_accel import CONFIGS, accelerate_command, reliability_flags
+from test_exact_resume import environment
 from test_reliability import rank_processes
 
 from cifar_wrn.checkpoint import load_checkpoint
@@ -32,8 +32,7 @@ def wait_for(path, timeout=60):
 def test_a_stop_signal_during_start_up_checkpoints_at_the_first_step(cifar_dir, tmp_path, when):
     ck, held = tmp_path / "ck", tmp_path / "held"
     held.mkdir()
-    env = cpu_env(SLOW_START=held)
-    env["PYTHONPATH"] = pythonpath_with(STOP_AT_STEP, env=env)
+    env = environment("raw", SLOW_START=held)
     command = [sys.executable, "raw_ddp.py", "--num-gpus", 2, *raw_flags(cifar_dir, "--checkpoint-dir", ck)]
     proc = start(command, env=env)
     if when == "importing":
@@ -52,8 +51,7 @@ def test_a_stop_signal_during_start_up_checkpoints_at_the_first_step(cifar_dir, 
 def test_sigterm_to_accelerate_launch_during_start_up_checkpoints_at_the_first_step(cifar_dir, tmp_path):
     ck, held = tmp_path / "ck", tmp_path / "held"
     held.mkdir()
-    env = accel_env(SLOW_START=held)
-    env["PYTHONPATH"] = pythonpath_with(STOP_AT_STEP, env=env)
+    env = environment("accel", SLOW_START=held)
     proc = start(
         accelerate_command(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--checkpoint-dir", ck)), env
     )
