@@ -23,7 +23,7 @@ Collectives that are not course steps say `# beyond R1: <why>` where this file c
 and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
 all-gathers in each one).
 
-    # 1 node x 2 GPUs
+    # 1 node x 2 GPUs (installed by pip, from any folder: `-m accel_train` for `accel_train.py`, as below)
     accelerate launch --config_file accelerate_configs/two_gpus.yaml accel_train.py --data-dir data
 
     # 2 nodes x 4 GPUs: only --machine_rank differs
@@ -32,7 +32,7 @@ all-gathers in each one).
 
     # Slurm: the job scripts in slurm/ (docs/slurm.md)
 
-    # 2 CPU processes (gloo)
+    # 2 CPU processes (gloo); installed by pip: the configs are in <pip show's Location>/cifar_wrn/accelerate_configs/
     accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --device cpu --data-dir data \
         --train-subset 2000 --val-subset 1000 --epochs 2
     python accel_train.py --data-dir data                                  # 1 process, no launcher

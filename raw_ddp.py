@@ -21,7 +21,7 @@ Collectives that are not course steps say `# beyond R1: <why>` where this file c
 and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
 all-gathers in each one).
 
-    # 1 node x 2 GPUs
+    # 1 node x 2 GPUs (installed by pip, from any folder: `python -m raw_ddp` for `python raw_ddp.py`, as below)
     python raw_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
 
     # 2 CPU processes (gloo)

@@ -1,16 +1,19 @@
 """The command line: `python -m cifar_wrn.report RUN... --out DIR [--pdf FILE] [--notes NOTES.yaml] ...`."""
 
 import argparse
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from ..errors import UserError
 from .content import PdfContent
+from .ddp_source import shipped_steps
 from .demonstrate import demonstrate
 from .featured import criterion_text, featured_text, main_run, printed_lines
 from .logs import Run, read_run
 from .markdown import write_report
-from .notes import NOTES_HELP, read_notes
+from .notes import EXAMPLE_NOTES, NOTES_HELP, read_notes
 from .scaling import scaling
 from .tables import resume_text, scaling_section, short_commit, steps
 from .topology import topology_name
@@ -42,8 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--notes",
         metavar="NOTES.yaml",
-        help=f"your own explanations for the report's slots ({NOTES_HELP})"
-        "; docs/report-example/notes.yaml shows the form",
+        help=f"your own explanations for the report's slots ({NOTES_HELP}); {EXAMPLE_NOTES} shows the form",
     )
     p.add_argument(
         "--compare",
@@ -95,6 +97,32 @@ def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, 
     print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + warning)
 
 
+def _writable_folder(flag: str, path: Path, folder: Path) -> None:
+    """A UserError unless `folder` is, or can be made, a folder this process writes in: its nearest existing
+    part is a writable folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write in {existing} (permission denied)")
+
+
+def check_outputs(out, pdf) -> None:
+    """Where the report writes, checked before anything is: --out a folder it can make or write in, --pdf a
+    file in an existing folder it can write in."""
+    _writable_folder("--out", Path(out), Path(out))
+    if pdf:
+        pdf = Path(pdf)
+        if pdf.is_dir():
+            raise UserError(f"--pdf {pdf}: is a folder; give a file name (report.pdf)")
+        if not pdf.parent.is_dir():
+            why = "is not a folder" if pdf.parent.exists() else "no such folder"
+            raise UserError(f"--pdf {pdf}: {pdf.parent} {why}")
+        _writable_folder("--pdf", pdf, pdf.parent)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -104,9 +132,12 @@ def main(argv=None) -> int:
             from .pdf import load_fpdf
 
             load_fpdf()  # before any work: without fpdf2, one line saying how to install it
+        # every input read and every output checked before the first file is written
         runs = [read_run(path) for path in args.logs]
         compare = [(read_run(before), read_run(after)) for before, after in args.compare]
+        shipped_steps()  # the raw_ddp.py the report quotes
         notes = read_notes(args.notes, runs)
+        check_outputs(args.out, args.pdf)
         report, figures, skipped = write_report(
             runs, args.out, figures=not args.no_figures, notes=notes, compare=compare
         )

@@ -1,5 +1,6 @@
-"""Reading the shipped raw_ddp.py: the lines of each `# R1.<n>` tag, and statements quoted as they stand, so the
-report cites wherever the code is now (line numbers move with it)."""
+"""Reading the raw_ddp.py next to the package (the checkout's, or the one `pip install .` put beside cifar_wrn/):
+the lines of each `# R1.<n>` tag, and statements quoted as they stand, so the report cites wherever the code is now
+(line numbers move with it)."""
 
 import ast
 import re
@@ -8,17 +9,20 @@ from pathlib import Path
 from ..errors import UserError
 from .content import Code
 
-REPO = Path(__file__).resolve().parents[2]
-RAW_DDP = REPO / "raw_ddp.py"
+RAW_DDP = Path(__file__).resolve().parents[2] / "raw_ddp.py"  # a top-level module installed beside cifar_wrn/
 TAG = re.compile(r"#\s*(R1\.\d+\b.*)$")
 STEP = re.compile(r"R1\.\d+\b")
 
 
-def ddp_steps(source: Path = RAW_DDP) -> list[tuple[str, list[int]]]:
-    """(step, line numbers) for each `# R1.<n>` tag in `source`, by step number. A line cites every step
-    its comment names ("# R1.2, R1.3, R1.7" on a call counts for all three)."""
+def _read(source: Path | None) -> str:
+    return (source or RAW_DDP).read_text(encoding="utf-8")
+
+
+def ddp_steps(source: Path | None = None) -> list[tuple[str, list[int]]]:
+    """(step, line numbers) for each `# R1.<n>` tag in `source` (the shipped raw_ddp.py), by step number. A line
+    cites every step its comment names ("# R1.2, R1.3, R1.7" on a call counts for all three)."""
     lines: dict[str, list[int]] = {}
-    for number, text in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+    for number, text in enumerate(_read(source).splitlines(), 1):
         tag = TAG.search(text)
         for step in STEP.findall(tag.group(1)) if tag else []:
             lines.setdefault(step, []).append(number)
@@ -26,13 +30,15 @@ def ddp_steps(source: Path = RAW_DDP) -> list[tuple[str, list[int]]]:
 
 
 def shipped_steps() -> list[tuple[str, list[int]]]:
-    """ddp_steps of the shipped raw_ddp.py, or a UserError saying the report needs a checkout."""
+    """ddp_steps of the shipped raw_ddp.py, or a UserError naming where the report looked for it. The report
+    asks first, before it writes anything."""
     try:
         return ddp_steps()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
         raise UserError(
-            f"cannot read the raw_ddp.py whose step lines the report cites ({exc.strerror or exc}); "
-            f"run it from a checkout of the project"
+            f"{RAW_DDP}: cannot be read ({why}): the report quotes the raw_ddp.py beside the cifar_wrn package; "
+            "reinstall it (pip install .) or run the report from a checkout"
         ) from None
 
 
@@ -40,10 +46,10 @@ def _is_comment(line: str) -> bool:
     return line.lstrip().startswith("#")
 
 
-def code_lines(step: str, source: Path = RAW_DDP) -> list[str]:
+def code_lines(step: str, source: Path | None = None) -> list[str]:
     """The code lines (not the comment-only ones) tagged `step`, as 'NNN: code', quoted as they stand in the
     shipped file."""
-    text = source.read_text(encoding="utf-8").splitlines()
+    text = _read(source).splitlines()
     numbers = dict(ddp_steps(source)).get(step, [])
     return [f"{n}: {text[n - 1].strip()}" for n in numbers if not _is_comment(text[n - 1])]
 
@@ -51,10 +57,10 @@ def code_lines(step: str, source: Path = RAW_DDP) -> list[str]:
 COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.While, ast.With, ast.Try)
 
 
-def statement_lines(opening: str, source: Path = RAW_DDP) -> list[str]:
+def statement_lines(opening: str, source: Path | None = None) -> list[str]:
     """Each simple statement whose first line contains `opening`, whole, as 'NNN: code' (Python's own parse
     gives where it ends): the DDP wrap quoted however the formatter splits it."""
-    code = source.read_text(encoding="utf-8")
+    code = _read(source)
     text, out = code.splitlines(), []
     statements = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.stmt) and not isinstance(n, COMPOUND)]
     for node in sorted(statements, key=lambda n: n.lineno):

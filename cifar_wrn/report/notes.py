@@ -1,12 +1,12 @@
-"""The student's own words (--notes notes.yaml; docs/report-example/notes.yaml shows the form): each entry
-fills one slot; what is left out stays a [you write: ...] slot."""
+"""The student's own words (--notes notes.yaml; docs/report-example/notes.yaml shows the form, installed as
+cifar_wrn/report/example/notes.yaml): each entry fills one slot; what is left out stays a [you write: ...] slot."""
 
 from pathlib import Path
 
 from ..errors import UserError
 from .changes import optimisations
 from .content import Slot
-from .ddp_source import ddp_steps
+from .ddp_source import shipped_steps
 from .featured import main_run
 from .logs import Run
 
@@ -19,6 +19,9 @@ EXPLAIN = {
     "scaling": "where the time goes (the bottleneck), and what Amdahl's law predicts for more GPUs",
     "optimisations": "why each change helps, judged from your before/after measurements",
 }
+# The example notes: installed in the package (pyproject.toml's package data), kept in the checkout's docs/.
+_INSTALLED_EXAMPLE = Path(__file__).resolve().parent / "example" / "notes.yaml"
+EXAMPLE_NOTES = str(_INSTALLED_EXAMPLE) if _INSTALLED_EXAMPLE.is_file() else "docs/report-example/notes.yaml"
 NOTES_HELP = "steps: {R1.<n>: why}, explain: {" + ", ".join(EXPLAIN) + "}, optimisations: {recipe key: why}"
 
 
@@ -65,7 +68,7 @@ def read_notes(path, runs: list[Run]) -> dict[str, dict[str, str]]:
         return {}
     raw = _load(path)
     allowed = {
-        "steps": [step for step, _ in ddp_steps()],
+        "steps": [step for step, _ in shipped_steps()],
         "explain": list(EXPLAIN),
         "optimisations": [key for key, _, _ in optimisations(main_run(runs))],
     }
