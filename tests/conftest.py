@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  first import runs ldconfig (a process): here, not inside whichever test imports it first
 from helpers import (
+    ACCEL_TINY,
+    ONE_STEP,
     TINY,
     Result,
     cpu_env,
@@ -173,6 +175,82 @@ def torchrun_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
     out = tmp_path_factory.mktemp("torchrun_profile")
     flags = [*TINY, "--model-width", 8, "--set", "precision=bf16", *data_flags(cifar_dir), *profile_flags(out)]
     return run(torchrun_command("raw_ddp.py", *flags), timeout=300), out
+
+
+@pytest.fixture(scope="session")
+def bf16_profile_run(cifar_dir, tmp_path_factory) -> tuple[Result, Path]:
+    """accel_train.py with ACCELERATE_USE_CPU=1 and the (bf16) benchmark config, 2 epochs of a width-8 model with
+    --profile and --trace: (result, folder holding log.jsonl and trace/), as torchrun_profile_run is raw_ddp.py's.
+    One launch shared by tests/test_accel.py's test_environment_form_and_bf16_from_the_launch_config (how the
+    launch is configured) and tests/test_profile.py's profile test (what --profile records): neither claim depends
+    on the other's flags, and a launch costs ~20 CPU-seconds of start-up."""
+    from test_accel import CONFIGS, accel_env, accelerate_launch
+
+    out = tmp_path_factory.mktemp("bf16_profile")
+    result = accelerate_launch(
+        CONFIGS / "two_gpus.yaml",
+        *data_flags(cifar_dir),
+        *ACCEL_TINY,
+        "--model-width",
+        8,
+        *profile_flags(out),
+        env=accel_env(ACCELERATE_USE_CPU=1),
+    )
+    return result, out
+
+
+# One step of clipped SGD: each step at a non-zero rate moves the parameters by exactly lr x 0.001 (L2);
+# warmup_linear over one step gives the step the rate factor 1, as the constant schedule would.
+CLIPPED = ["--base-lr", 1.0, "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear"]
+
+
+@dataclass
+class OneStepRuns:
+    """One trainer's two runs of one SGD step (helpers.ONE_STEP) on 2 processes, from the same weights (the same
+    seed gives them, whichever launcher starts the ranks)."""
+
+    start: Result  # at a learning rate of 1e-12 (the weights move by ~1e-12): the point the step is measured from
+    start_weights: Path
+    start_log: Path
+    clipped: Result  # at learning rate 1 with grad_clip_norm=0.001 (CLIPPED)
+    clipped_weights: Path
+
+
+@pytest.fixture(scope="session")
+def one_step_runs(cifar_dir, tmp_path_factory) -> dict[str, OneStepRuns]:
+    """Each trainer's OneStepRuns ("raw", "accel"), the four runs started side by side. accel_train.py's start
+    is launched by torchrun (tests/test_raw_ddp.py's test_torchrun_launch reads it), its clipped run by
+    `accelerate launch`; raw_ddp.py starts its own processes (--num-gpus 2). test_fast.py's
+    test_grad_clip_norm_bounds_the_step measures the step of each."""
+    from test_accel import CONFIGS, TIMEOUT, accel_env, accelerate_command
+
+    folder = tmp_path_factory.mktemp("one_step")
+    commands = {}
+    for trainer in ("raw", "accel"):
+        (folder / trainer).mkdir()
+        start_run = ["--base-lr", 1e-12, "--save", folder / trainer / "start.pt"]
+        start_run += ["--log-json", folder / trainer / "start.jsonl"]
+        clipped_run = [*CLIPPED, "--save", folder / trainer / "clipped.pt"]
+        if trainer == "raw":
+            raw = [sys.executable, "raw_ddp.py", "--num-gpus", 2, *TINY, *ONE_STEP, "--data-dir", cifar_dir]
+            commands[trainer] = [([*raw, *start_run], cpu_env()), ([*raw, *clipped_run], cpu_env())]
+        else:
+            accel = ["--data-dir", cifar_dir, *ACCEL_TINY, *ONE_STEP]
+            commands[trainer] = [
+                (torchrun_command("accel_train.py", *accel, *start_run), accel_env(ACCELERATE_USE_CPU=1)),
+                (accelerate_command(CONFIGS / "two_cpus.yaml", "--cpu", *accel, *clipped_run), accel_env()),
+            ]
+    procs = {trainer: [start(cmd, env=env) for cmd, env in pair] for trainer, pair in commands.items()}
+    return {
+        trainer: OneStepRuns(
+            finish(started, TIMEOUT),
+            folder / trainer / "start.pt",
+            folder / trainer / "start.jsonl",
+            finish(clipped, TIMEOUT),
+            folder / trainer / "clipped.pt",
+        )
+        for trainer, (started, clipped) in procs.items()
+    }
 
 
 @pytest.fixture(scope="session")

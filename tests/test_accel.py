@@ -22,31 +22,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
-from checks import (
-    check_bn_recalibrated,
-    check_metrics_of_saved_weights,
-    check_profile,
-    check_slow_bf16_warning,
-    parameter_distance,
-)
 from helpers import (
     ACCEL_TINY,
     EPOCH_LINE,
-    EVERY_OPTION,
-    FAST_2_EPOCHS,
-    ONE_STEP,
     REPO,
-    TRAIN_IMAGES,
     cpu_env,
     data_flags,
     finish,
     free_port,
-    profile_flags,
     raise_in_rank_env,
     start,
     torchrun_command,
@@ -435,29 +422,11 @@ def test_parity_with_raw_ddp(accel_run, parity_dir, tmp_path):
     assert mean(epochs, "val_accuracy") == pytest.approx(mean(raw_epochs, "val_accuracy"), abs=0.08)
 
 
-@pytest.fixture(scope="module")
-def bf16_profile_run(cifar_dir, tmp_path_factory):
-    """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config, 2 epochs of a width-8 model with --profile and
-    --trace: one launch shared by test_environment_form_and_bf16_from_the_launch_config (how the launch is
-    configured) and test_profile_parts_add_up_to_the_epoch_and_trace_is_written (what --profile records).
-    Neither claim depends on the other's flags, and a launch costs ~20 CPU-seconds of start-up."""
-    out = tmp_path_factory.mktemp("bf16_profile")
-    result = accelerate_launch(
-        CONFIGS / "two_gpus.yaml",
-        *data_flags(cifar_dir),
-        *ACCEL_TINY,
-        "--model-width",
-        8,
-        *profile_flags(out),
-        env=accel_env(ACCELERATE_USE_CPU=1),
-    )
-    return result, out
-
-
 @pytest.mark.slow
-@pytest.mark.xdist_group("test_accel.bf16_profile_run")
+@pytest.mark.xdist_group("bf16_profile_run")
 def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
-    """ACCELERATE_USE_CPU=1 with the (bf16) benchmark config: 2 CPU processes, bf16 autocast, noted in the log."""
+    """conftest's bf16_profile_run, ACCELERATE_USE_CPU=1 with the (bf16) benchmark config: 2 CPU processes, bf16
+    autocast, noted in the log."""
     result, out = bf16_profile_run
     assert result.returncode == 0, result.stderr[-3000:]
     header, epochs = read_log(out / "log.jsonl")
@@ -465,15 +434,6 @@ def test_environment_form_and_bf16_from_the_launch_config(bf16_profile_run):
     assert header["recipe"]["precision"] == "bf16"
     assert "note: the launch's mixed_precision bf16 overrides the recipe's precision" in result.stdout
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("test_accel.one_step_runs")
-def test_torchrun_launch(one_step_runs):
-    result = one_step_runs.start
-    assert result.returncode == 0, result.stderr[-3000:]
-    header, epochs = read_log(one_step_runs.start_log)
-    assert header["world_size"] == 2 and header["launcher"] == "torchrun" and len(epochs) == 1
 
 
 # ----------------------------------------------------------------------------- wrong launches fail clearly
@@ -570,117 +530,6 @@ def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     assert result.returncode != 0 and "error: rank 1 failed" in result.stderr
     assert "injected test fault in rank 1" in result.stderr
     assert not EPOCH_LINE.search(result.stdout)
-
-
-# ----------------------------------------------------------------------------- every recipe key
-
-
-def test_sync_bn_on_cpu_is_refused(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    with pytest.raises(UserError, match="sync_bn needs CUDA"):
-        resolve_accel_launch(accel_train.parse_args(["--cpu", "--set", "sync_bn=true"]))
-
-
-@pytest.mark.slow
-def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
-    """As tests/test_fast.py does for raw_ddp.py: 2 processes, the fast recipe (on-device data, channels_last,
-    bf16, warmup_linear, Nesterov, label smoothing, weight decay groups) plus EMA, DDP bucket view and static
-    graph, bf16 gradient compression, flip TTA, augmentation, bn_lr_scale and BatchNorm recalibration: every one
-    of them reaches the run's recipe (what each does: tests/test_fast.py), and the reported metrics equal a
-    single-process evaluation of the saved (EMA) weights."""
-    from cifar_wrn.recipe import load_recipe, parse_set
-
-    options = EVERY_OPTION
-    result = accelerate_launch(
-        CONFIGS / "two_cpus.yaml",
-        "--cpu",
-        *data_flags(cifar_dir),
-        *ACCEL_TINY,
-        *FAST_2_EPOCHS,  # as in test_fast.py
-        *[a for o in options for a in ("--set", o)],
-        "--save",
-        tmp_path / "w.pt",
-        "--log-json",
-        tmp_path / "log.jsonl",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    header, epochs = read_log(tmp_path / "log.jsonl")
-    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [1, 2]
-    asked = load_recipe("fast", parse_set(options))
-    assert {key: header["recipe"][key] for key in parse_set(options)} == {
-        key: getattr(asked, key) for key in parse_set(options)
-    }
-    assert header["recipe"]["data_pipeline"] == "device"
-    assert header["mixed_precision"] == "bf16" and header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
-    check_slow_bf16_warning(result.stderr)
-    check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
-    check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
-
-
-def clipped_steps(cifar_dir, epochs: int, weights: Path):
-    """`epochs` epochs of one SGD step each at learning rate 1 with grad_clip_norm=0.001, from one_step_runs'
-    starting weights, on warmup_linear: the first step's rate factor is 1, as with the constant schedule."""
-    return accelerate_launch(
-        CONFIGS / "two_cpus.yaml",
-        "--cpu",
-        "--data-dir",
-        cifar_dir,
-        *ACCEL_TINY,
-        *ONE_STEP,
-        "--epochs",
-        epochs,
-        "--base-lr",
-        1.0,
-        "--set",
-        "grad_clip_norm=0.001",
-        "--set",
-        "lr_schedule=warmup_linear",
-        "--save",
-        weights,
-    )
-
-
-@pytest.fixture(scope="module")
-def one_step_runs(cifar_dir, tmp_path_factory) -> SimpleNamespace:
-    """Two launches of one SGD step from the same weights:
-    start: at lr 1e-12 (the weights move by ~1e-12), launched by torchrun, with a log: test_torchrun_launch (the
-      launcher) and test_grad_clip_norm_bounds_the_step (the point its step is measured from: the same seed gives
-      the same starting weights whichever launcher starts the ranks);
-    clipped: one epoch of clipped_steps: test_grad_clip_norm_bounds_the_step (the step)."""
-    out = tmp_path_factory.mktemp("one_step")
-    cmd = torchrun_command(
-        "accel_train.py",
-        "--data-dir",
-        cifar_dir,
-        *ACCEL_TINY,
-        *ONE_STEP,
-        "--base-lr",
-        1e-12,
-        "--save",
-        out / "start.pt",
-        "--log-json",
-        out / "start.jsonl",
-    )
-    started = finish(start(cmd, env=accel_env(ACCELERATE_USE_CPU=1)), TIMEOUT)
-    return SimpleNamespace(
-        start=started,
-        start_weights=out / "start.pt",
-        start_log=out / "start.jsonl",
-        clipped=clipped_steps(cifar_dir, 1, out / "clipped.pt"),
-        clipped_weights=out / "clipped.pt",
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("test_accel.one_step_runs")
-def test_grad_clip_norm_bounds_the_step(one_step_runs):
-    """As in tests/test_fast.py: one SGD step at learning rate 1 with grad_clip_norm=0.001 (accelerator.clip_grad_norm_)
-    moves the parameters by exactly 0.001 from where a learning rate of 1e-12 leaves them."""
-    for result in (one_step_runs.start, one_step_runs.clipped):
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert parameter_distance(one_step_runs.start_weights, one_step_runs.clipped_weights) == pytest.approx(
-        0.001, rel=1e-3
-    )
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption
@@ -784,28 +633,7 @@ def test_sigusr1_to_the_ranks_checkpoints_and_exits_75(cifar_dir, tmp_path):
     assert 0 < state["step"] <= 40 and not state["finished"]
 
 
-@pytest.mark.slow
-def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
-    from test_reliability import DIVERGES, check_diverged
-
-    result = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 2, *DIVERGES))
-    assert result.returncode != 0
-    check_diverged(result.stderr, traceback='accel_train.py", line')
-    assert not EPOCH_LINE.search(result.stdout)
-
-
-# ----------------------------------------------------------------------------- --profile, --trace
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("test_accel.bf16_profile_run")
-def test_profile_parts_add_up_to_the_epoch_and_trace_is_written(bf16_profile_run):
-    """bf16_profile_run (with the launch tests above). 2 epochs: parts not reset between epochs would exceed the
-    second epoch's time."""
-    result, out = bf16_profile_run
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(re.findall(r"Profile of epoch \d \(rank 0\)", result.stdout)) == 2
-    check_profile(out / "log.jsonl", out / "trace")
+# ----------------------------------------------------------------------------- --help
 
 
 @pytest.mark.parametrize("module", [raw_ddp, accel_train], ids=["raw_ddp.py", "accel_train.py"])

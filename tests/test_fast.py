@@ -1,10 +1,8 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 
 import json
-import re
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ from checks import (
     parameter_distance,
 )
 from helpers import (
+    EPOCH_LINE,
     EVERY_OPTION,
     FAST_2_EPOCHS,
-    ONE_STEP,
     REPO,
     TINY,
     TRAIN_IMAGES,
@@ -33,8 +31,9 @@ from helpers import (
 )
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+import accel_train
 import raw_ddp
-from cifar_wrn.cli import resolve_raw_launch
+from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.data import CIFAR10, DataError, load_split
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
@@ -139,75 +138,59 @@ def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, 
 
 
 @pytest.mark.slow
-def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path):
-    """2 processes, the fast recipe plus EMA, DDP bucket view and static graph, bf16 gradient compression,
-    flip TTA, augmentation, a doubled rate for BatchNorm parameters and BatchNorm recalibration on 100 training
-    images; the reported metrics equal a single-process evaluation of the saved (EMA) weights."""
-    result = run_raw(
-        "--num-gpus",
-        2,
-        *TINY,
-        *FAST_2_EPOCHS,  # (helpers: without the safety net's extra epoch)
-        *data_flags(cifar_dir),
-        *[a for o in EVERY_OPTION for a in ("--set", o)],
-        "--save",
-        tmp_path / "w.pt",
-        "--log-json",
-        tmp_path / "log.jsonl",
-        "--checkpoint-dir",
-        tmp_path / "ckpt",
-    )
-    assert result.returncode == 0, result.stderr
-    assert len(re.findall(r"^Epoch = ", result.stdout, re.M)) == 2
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path, trainer):
+    """2 processes, the fast recipe (on-device data, channels_last, bf16, warmup_linear, Nesterov, label
+    smoothing, weight decay groups) plus EMA, DDP bucket view and static graph, bf16 gradient compression, flip
+    TTA, augmentation, a doubled rate for BatchNorm parameters and BatchNorm recalibration on 100 training images
+    (helpers.EVERY_OPTION), a checkpoint each epoch: every option reaches the run's recipe (what each does: the
+    tests below), and the reported metrics equal a single-process evaluation of the saved (EMA) weights, whose
+    BatchNorm statistics are the recalibrated ones."""
+    from test_accel import ACCEL_TINY, CONFIGS, accelerate_launch
+
+    from cifar_wrn.recipe import parse_set
+
+    flags = [*data_flags(cifar_dir), *FAST_2_EPOCHS, *[a for o in EVERY_OPTION for a in ("--set", o)]]
+    flags += ["--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl", "--checkpoint-dir", tmp_path / "ck"]
+    if trainer == "raw":
+        result = run_raw("--num-gpus", 2, *TINY, *flags)
+    else:
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *ACCEL_TINY, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, epochs = read_log(tmp_path / "log.jsonl")
+    assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
+    asked, options = load_recipe("fast", parse_set(EVERY_OPTION)), parse_set(EVERY_OPTION)
+    assert {key: header["recipe"][key] for key in options} == {key: getattr(asked, key) for key in options}
+    assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["precision"] == "bf16"
+    assert header["steps_per_epoch"] == TRAIN_IMAGES // 2 // 32
+    if trainer == "accel":
+        assert header["mixed_precision"] == "bf16"  # the launch's, which overrides the recipe's
     check_slow_bf16_warning(result.stderr)
-    header, _ = read_log(tmp_path / "log.jsonl")
-    assert header["recipe"]["data_pipeline"] == "device" and header["recipe"]["ema_decay"] == 0.9
     check_metrics_of_saved_weights(tmp_path / "log.jsonl", tmp_path / "w.pt", cifar_dir)
     check_bn_recalibrated(tmp_path / "w.pt", cifar_dir, images=100, world_size=2)
 
 
-@pytest.fixture(scope="module")
-def one_step_runs(cifar_dir, tmp_path_factory) -> Path:
-    """Two runs of one SGD step: start.pt at a learning rate of 1e-12 (the initialisation, as made), clipped.pt at
-    learning rate 1 with grad_clip_norm=0.001 (warmup_linear over one step gives it the factor 1)."""
-    folder = tmp_path_factory.mktemp("one_step")
-    one_step(cifar_dir, folder / "start.pt", "--base-lr", 1e-12)
-    one_step(cifar_dir, folder / "clipped.pt", *CLIPPED)
-    return folder
-
-
-# One step of clipped SGD: each step at a non-zero rate moves the parameters by exactly lr x 0.001 (L2).
-CLIPPED = ["--base-lr", 1.0, "--set", "grad_clip_norm=0.001", "--set", "lr_schedule=warmup_linear"]
-
-
-def one_step(cifar_dir, weights, *flags):
-    """ONE_STEP (1 step per epoch) on 2 processes; the final weights in `weights`."""
-    result = run_raw(
-        "--num-gpus",
-        2,
-        *TINY,
-        *ONE_STEP,
-        "--data-dir",
-        cifar_dir,
-        *flags,
-        "--save",
-        weights,
-    )
-    assert result.returncode == 0, result.stderr
-
-
 @pytest.mark.slow
-@pytest.mark.xdist_group("test_fast.one_step_runs")
-def test_grad_clip_norm_bounds_the_step(one_step_runs):
+@pytest.mark.xdist_group("one_step_runs")
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_grad_clip_norm_bounds_the_step(one_step_runs, trainer):
     """One SGD step at learning rate 1 with grad_clip_norm=0.001 moves the parameters by exactly 0.001 (L2):
-    the averaged gradient (norm far above 0.001) was clipped. A learning rate of 1e-12 gives the start point."""
-    distance = parameter_distance(one_step_runs / "start.pt", one_step_runs / "clipped.pt")
-    assert distance == pytest.approx(0.001, rel=1e-3)
+    the averaged gradient (norm far above 0.001) was clipped (accel_train.py: accelerator.clip_grad_norm_).
+    conftest's one_step_runs: a learning rate of 1e-12 gives the start point."""
+    runs = one_step_runs[trainer]
+    for result in (runs.start, runs.clipped):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert parameter_distance(runs.start_weights, runs.clipped_weights) == pytest.approx(0.001, rel=1e-3)
 
 
-def test_sync_bn_on_cpu_is_refused():
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_sync_bn_on_cpu_is_refused(trainer, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # the caller's launch must not decide
     with pytest.raises(UserError, match="sync_bn needs CUDA"):
-        resolve_raw_launch(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
+        if trainer == "raw":
+            resolve_raw_launch(raw_ddp.parse_args(["--device", "cpu", "--set", "sync_bn=true"]))
+        else:
+            resolve_accel_launch(accel_train.parse_args(["--cpu", "--set", "sync_bn=true"]))
 
 
 def test_recalibration_batches_deal_a_fixed_unaugmented_subset_to_the_ranks(cifar_dir):

@@ -295,15 +295,31 @@ def test_two_nodes_on_one_machine(cifar_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("torchrun_profile_run")
-def test_torchrun_launch(torchrun_profile_run):
-    """conftest's torchrun_profile_run (2 epochs, bf16; its --profile is tests/test_profile.py's)."""
-    result, out = torchrun_profile_run
-    assert result.returncode == 0, result.stderr
-    assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [1, 2]  # rank 0 only: each epoch once
-    check_slow_bf16_warning(result.stderr)  # every rank runs resolve() under torchrun; the node says it once
-    header, _ = read_log(out / "log.jsonl")
-    assert (header["world_size"], header["launcher"]) == (2, "torchrun")
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        pytest.param("raw", marks=pytest.mark.xdist_group("torchrun_profile_run")),
+        pytest.param("accel", marks=pytest.mark.xdist_group("one_step_runs")),
+    ],
+)
+def test_torchrun_launch(trainer, request):
+    """Either trainer started by torchrun (2 processes): raw_ddp.py in conftest's torchrun_profile_run (2 epochs,
+    bf16; its --profile is tests/test_profile.py's), accel_train.py in one_step_runs' start (1 epoch, fp32)."""
+    if trainer == "raw":
+        result, out = request.getfixturevalue("torchrun_profile_run")
+        log, epochs_run, precision = out / "log.jsonl", [1, 2], "bf16"
+    else:
+        runs = request.getfixturevalue("one_step_runs")["accel"]
+        result, log, epochs_run, precision = runs.start, runs.start_log, [1], "fp32"
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, epochs = read_log(log)
+    assert (header["world_size"], header["launcher"], header["recipe"]["precision"]) == (2, "torchrun", precision)
+    # rank 0 only prints: each epoch once
+    assert [int(e) for e in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == epochs_run
+    if precision == "bf16":
+        check_slow_bf16_warning(result.stderr)  # every rank runs resolve() under torchrun; the node says it once
+    else:
+        assert "without bfloat16 kernels" not in result.stderr  # a bf16 run's warning only
 
 
 # ----------------------------------------------------------------------------- failures: clear, prompt, no hang

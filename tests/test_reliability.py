@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import EPOCH_LINE, cpu_env, finish, raw_flags, resume_flags, start, torchrun_command, wait_for_epoch
 from helpers import raw_ddp as run_raw
-from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags, worker_processes
+from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags, worker_processes
 
 from cifar_wrn.checkpoint import checkpoint_path, load_checkpoint, read_training_state, resume_problem
 from cifar_wrn.model import ARCHITECTURE, WideResNet
@@ -336,10 +336,14 @@ def check_diverged(stderr: str, traceback: str = "Traceback") -> None:
 
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir):
-    result = run_raw(*flags(cifar_dir, "--epochs", 2, *DIVERGES), timeout=180)
-    assert result.returncode == 1
-    check_diverged(result.stderr)
+@pytest.mark.parametrize("trainer", ["raw", "accel"])
+def test_non_finite_loss_stops_every_rank_at_the_same_step(cifar_dir, trainer):
+    if trainer == "raw":
+        result = run_raw(*flags(cifar_dir, "--epochs", 2, *DIVERGES), timeout=180)
+    else:
+        result = accelerate_launch(CONFIGS / "two_cpus.yaml", *reliability_flags(cifar_dir, "--epochs", 2, *DIVERGES))
+    assert result.returncode == 1, result.stderr[-3000:]
+    check_diverged(result.stderr, traceback="Traceback" if trainer == "raw" else 'accel_train.py", line')
     assert "Epoch = " not in result.stdout
 
 

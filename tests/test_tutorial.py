@@ -53,8 +53,10 @@ def test_the_rank_check_sees_a_changed_line():
 
 
 @pytest.fixture(scope="module")
-def student_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("student")
+def tutorial_folder(tmp_path_factory):
+    """What docs/tutorial.md's commands read (course/, the package, raw_ddp.py) and tiny data in data/: the folder
+    they run in (test_readme.py's student_folder is a whole checkout, with the student's PATH)."""
+    folder = tmp_path_factory.mktemp("tutorial")
     for name in ("course", "cifar_wrn", "raw_ddp.py"):
         (folder / name).symlink_to(REPO / name)
     write_cifar(folder / "data")
@@ -63,7 +65,7 @@ def student_folder(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command, shown", commands_and_outputs(), ids=[c for c, _ in commands_and_outputs()])
-def test_each_tutorial_command_runs_and_prints_what_the_tutorial_shows(command, shown, student_folder):
+def test_each_tutorial_command_runs_and_prints_what_the_tutorial_shows(command, shown, tutorial_folder):
     argv = shlex.split(command)
     if argv[:2] == ["pip", "install"]:
         pytest.skip("the install: the suite runs installed")
@@ -74,7 +76,7 @@ def test_each_tutorial_command_runs_and_prints_what_the_tutorial_shows(command, 
         argv += [*TINY, *(["--master-port", str(free_port())] if "ddp" in argv[1] else [])]
     env = cpu_env()
     env["PYTHONPATH"] = pythonpath_with(REPO, env=env)  # cifar_wrn from the checkout, installed or not
-    result = finish(start(argv, env=env, cwd=student_folder), timeout=180)
+    result = finish(start(argv, env=env, cwd=tutorial_folder), timeout=180)
     if argv[0] == "diff":  # 1: the files differ
         assert result.returncode == 1 and "# R1.11" in result.stdout, result.stderr
     else:
