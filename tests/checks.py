@@ -47,10 +47,17 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
     assert epochs[-1]["val_loss"] == pytest.approx(totals[0].item() / VAL_IMAGES, rel=1e-3)  # bf16 batches differ
 
 
-def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int):
-    """The saved network's BatchNorm statistics are its own: re-estimating them (32 per batch, bf16 and
-    channels_last, as the tests' fast recipe runs) on each rank's recalibration images and averaging over
-    the ranks (cifar_wrn.ema.recalibrated) gives them back."""
+def first_batchnorm(model: torch.nn.Module) -> str:
+    """The name of the model's first BatchNorm, the one just after its first convolution (the course's WideResNet:
+    input_block.cbr.1). Its statistics come from the images through that one convolution, which rounds the same
+    in a run and in recalibrated_again: they match exactly (0 measured); rounding differences start after it."""
+    return next(name for name, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d))
+
+
+def recalibrated_again(weights_path, cifar_dir, images: int, world_size: int) -> tuple[dict, dict]:
+    """The saved width-4 network's state_dict, and the same with its BatchNorm statistics re-estimated: 32 images
+    per batch, bf16 and channels_last, as the tests' fast recipe runs, on each rank's recalibration images,
+    averaged over the ranks (cifar_wrn.ema.recalibrated)."""
     from cifar_wrn.data import load_split
     from cifar_wrn.ema import recalibrated
     from cifar_wrn.model import WideResNet
@@ -69,12 +76,24 @@ def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int)
         world_size,
     )
     torch.set_num_threads(threads)
-    for key, expected in again.state_dict().items():
+    return saved.state_dict(), again.state_dict()
+
+
+def check_bn_recalibrated(weights_path, cifar_dir, images: int, world_size: int):
+    """The saved network's BatchNorm statistics are its own: re-estimating them (recalibrated_again) gives them
+    back, the first BatchNorm's to rounding, the others' within 3 %."""
+    from cifar_wrn.model import WideResNet
+
+    saved, again = recalibrated_again(weights_path, cifar_dir, images, world_size)
+    first = [key for key in again if key.startswith(f"{first_batchnorm(WideResNet(width=4))}.running")]
+    assert len(first) == 2, sorted(again)  # its running_mean and running_var, as the model names them
+    for key, expected in again.items():
         if "running" in key:
-            error = ((saved.state_dict()[key] - expected).norm() / expected.norm()).item()
-            # bf16 rounding differs after the first convolution and grows with depth (< 1.5 % measured); the
-            # ranks' own statistics differ from their mean by 1-37 %: a missing average or recalibration fails.
-            assert error < (1e-6 if key.startswith("stem.") else 0.03), (key, error)
+            error = ((saved[key] - expected).norm() / expected.norm()).item()
+            # bf16 rounding differs after the first convolution (0 before it, measured) and grows with depth
+            # (< 2 % measured); the ranks' own statistics differ from their mean by 1-37 %: a missing average or
+            # recalibration fails.
+            assert error < (1e-6 if key in first else 0.03), (key, error)
 
 
 def check_slow_bf16_warning(stderr: str):
