@@ -56,17 +56,20 @@ from accelerate.utils import DDPCommunicationHookType, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
-from cifar_wrn.cli import add_training_flags, launch_commands, resolve_accel_launch, show_progress
+from cifar_wrn.cli import Settings, add_training_flags, launch_commands, resolve_accel_launch, show_progress
 from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
-from cifar_wrn.launch import check_accelerate_launch, forming_group, report_failures
+from cifar_wrn.launchers import check_accelerate_launch
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import load_datasets
+from cifar_wrn.rendezvous import forming_group
+from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Run
 from cifar_wrn.runlog import epoch_line, final_line
+from cifar_wrn.trainers import Accelerated
 from cifar_wrn.watch import start_training
 
 
@@ -83,50 +86,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup(local_rank: int, args, recipe) -> Run:
+def setup(local_rank: int, settings: Settings, recipe) -> Run:
     # A1.3 Accelerator(): joins the group the launcher formed, with DDP's options and the recipe's precision
     hook = DDPCommunicationHookType.BF16 if recipe.grad_compression == "bf16" else DDPCommunicationHookType.NO
     ddp_options = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
     loading = DataLoaderConfiguration(
         use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
     )  # A1.5 shuffle
-    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))  # A1.3
-    with forming_group(None, None, args):  # a group that does not form is one clear error
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=settings.dist_timeout))  # A1.3
+    with forming_group(None, None, settings.dist_timeout):  # a group that does not form is one clear error
         accelerator = Accelerator(  # A1.3
-            cpu=args.cpu,
+            cpu=settings.cpu,
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
-            log_with="tensorboard" if args.with_tracking else None,  # beyond R1: init_trackers in start_training
-            project_dir=args.project_dir,
+            log_with="tensorboard" if settings.logging.tracking_dir else None,  # beyond R1: trackers opened later
+            project_dir=settings.logging.tracking_dir,
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
         )
     world_size, rank = accelerator.num_processes, accelerator.process_index  # A1.2 world size and rank
     device = accelerator.device  # A1.7 this process's device
-    check_accelerate_launch(accelerator, args, recipe)  # every process joined; the CPU's threads and warnings
-    return Run(
-        recipe, rank, local_rank, world_size, device, show_progress(args, rank == 0), accelerator, args.model_width
-    )
+    check_accelerate_launch(accelerator, recipe, settings.cpu_fallback)  # all joined; CPU threads, warnings
+    trainer = Accelerated(accelerator)  # its checkpoints, TensorBoard, log fields
+    show = show_progress(settings, rank == 0)
+    return Run(recipe, rank, local_rank, world_size, device, trainer, show, settings.model_width, accelerator)
 
 
 # ==== data
-def build_data(args, recipe, run: Run) -> Data:
+def build_data(settings: Settings, recipe, run: Run) -> Data:
     # A1.4 download: the node's main process first, the others wait for it
     with run.accelerator.local_main_process_first():  # A1.4
-        fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # A1.4
+        fetched = download_cifar10(settings.data.data_dir) if run.local_rank == 0 else None  # A1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(run, load_datasets, args, recipe, run, note=fetched)
+    train_set, val_set = together(run, load_datasets, settings.data, run, note=fetched)
     if recipe.data_pipeline == "device":  # A1.5 not here: raw_ddp.py's sampler (prepare() would shard again)
         train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)
         val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)
         train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))  # a resume skips
         val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-        train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options(recipe, train_set, run))
-        val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options(recipe, val_set, run))
+        train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options(train_set, run))
+        val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options(val_set, run))
         steps = len(train_batches.batches)
         return Data(train_set, val_set, train_loader, val_loader, steps, train_sampler, train_batches, val_sampler)
-    options = loader_options(recipe, train_set, run)
+    options = loader_options(train_set, run)
     train_loader = DataLoader(train_set, batch_size=recipe.batch_size, shuffle=True, drop_last=True, **options)
     val_loader = DataLoader(val_set, batch_size=recipe.eval_batch_size, **options)
     # A1.5 prepare(): each loader sharded, rank r gets batches r, r + W, ...
@@ -135,13 +138,13 @@ def build_data(args, recipe, run: Run) -> Data:
 
 
 # ==== model
-def build_model(args, recipe, run: Run) -> None:
+def build_model(settings: Settings, recipe, run: Run) -> None:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank
-    raw_model = WideResNet(width=args.model_width)
+    raw_model = WideResNet(width=settings.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run, recipe)
+    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run)
     # A1.8 prepare(): the model in DDP, on its device; its optimizer and schedule wrapped to match
     run.model, run.optimizer, run.scheduler = run.accelerator.prepare(
         run.raw_model, run.optimizer, run.scheduler
@@ -151,18 +154,18 @@ def build_model(args, recipe, run: Run) -> None:
 
 
 # ==== train
-def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
-    run = setup(local_rank, args, recipe)  # A1.2, A1.3, A1.7
+def train_process(local_rank: int, settings: Settings, recipe) -> None:
+    run = setup(local_rank, settings, recipe)  # A1.2, A1.3, A1.7
     try:
-        run.data = build_data(args, recipe, run)  # A1.4, A1.5
-        build_model(args, recipe, run)  # A1.8
-        if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
+        run.data = build_data(settings, recipe, run)  # A1.4, A1.5
+        build_model(settings, recipe, run)  # A1.8
+        if (progress := resume(run, settings.checkpoints)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar, TensorBoard
+        watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             watch.start_epoch(progress)
             loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip
-            correct = train_epoch(args, recipe, run, loader, progress, watch)
+            correct = train_epoch(settings, recipe, run, loader, progress, watch)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
@@ -173,13 +176,15 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if run.is_main:  # A1.10 only the main process prints
                 print(epoch_line(metrics), flush=True)  # A1.10
             watch.log_epoch(metrics)
-            if args.checkpoint_dir:
-                save_checkpoint(args, recipe, run, progress, finished=done)  # beyond R1: save_state on every rank
+            if settings.checkpoints.directory:
+                save_checkpoint(
+                    run, progress, settings.checkpoints.directory, done
+                )  # beyond R1: save_state on every rank
         if run.is_main:  # A1.10
             print(final_line(progress, recipe), flush=True)  # A1.10
         # ==== teardown
-        if run.is_main and args.save:
-            torch.save(run.network.state_dict(), args.save)
+        if run.is_main and settings.save:
+            torch.save(run.network.state_dict(), settings.save)
         watch.close()
     finally:
         accelerator, run, watch = run.accelerator, None, None  # DDP's reference cycle holds the group: freed now
@@ -187,7 +192,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         accelerator.end_training()  # A1.3
 
 
-def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor:
+def train_epoch(settings: Settings, recipe, run: Run, loader, progress, watch) -> torch.Tensor:
     """One epoch's training steps (the rest of it, on a resume); returns how many predictions were right."""
     model, optimizer, device = run.model, run.optimizer, run.device
     model.train()
@@ -208,7 +213,7 @@ def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor
         if run.ema is not None:
             run.ema.update_parameters(run.raw_model)
         if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
-            save_and_stop(args, recipe, run, progress, step, correct, watch.seconds())
+            save_and_stop(run, progress, step, correct, watch.seconds(), settings.checkpoints.directory)
     return correct
 
 
@@ -249,16 +254,16 @@ def average_over_ranks(tensor: torch.Tensor) -> None:
 
 
 # ==== launch
-def run_process(local_rank: int, args, recipe) -> None:
+def run_process(local_rank: int, settings: Settings, recipe) -> None:
     """One rank: train_process, any failure reported as one message and an exit status."""
-    report_failures(train_process, local_rank, args, recipe)
+    report_failures(train_process, local_rank, settings, recipe)
 
 
 if __name__ == "__main__":
     try:
-        args, recipe = resolve_accel_launch(parse_args())  # A1.1: checked before the group forms
+        settings, recipe = resolve_accel_launch(parse_args())  # A1.1: checked before the group forms
     except UserError as exc:  # a bad launch: one line and exit status 2, never a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     # A1.11 the launcher (accelerate launch, torchrun) started one process per GPU: this is one of them
-    run_process(int(os.environ.get("LOCAL_RANK", 0)), args, recipe)  # A1.11
+    run_process(int(os.environ.get("LOCAL_RANK", 0)), settings, recipe)  # A1.11

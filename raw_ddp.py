@@ -56,17 +56,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
-from cifar_wrn.cli import add_training_flags, launch_commands, resolve_raw_launch, show_progress
+from cifar_wrn.cli import Settings, add_training_flags, launch_commands, resolve_raw_launch, show_progress
 from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
 from cifar_wrn.ema import recalibrate_bn
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
-from cifar_wrn.launch import Launcher, forming_group, report_failures
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.pipeline import load_datasets
+from cifar_wrn.rendezvous import Launcher, forming_group
+from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Run
 from cifar_wrn.runlog import epoch_line, final_line
+from cifar_wrn.trainers import RawDDP
 from cifar_wrn.watch import start_training
 
 
@@ -88,49 +90,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup(local_rank: int, args, recipe) -> Run:
+def setup(local_rank: int, settings: Settings, recipe) -> Run:
     # R1.2 world size and global rank: node 0 holds ranks 0 .. num_gpus-1, node 1 the next ones, ...
-    world_size = args.num_nodes * args.num_gpus  # R1.2
-    rank = args.node_id * args.num_gpus + local_rank  # R1.2
+    world_size = settings.num_nodes * settings.num_gpus  # R1.2
+    rank = settings.node_id * settings.num_gpus + local_rank  # R1.2
     # R1.7 cuda:<local_rank>: each process its own GPU, set before any CUDA work
-    if args.device == "cuda":
+    if settings.device == "cuda":
         torch.cuda.set_device(local_rank)  # R1.7
         device, backend = torch.device(f"cuda:{local_rank}"), "nccl"  # R1.7
     else:
         device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.num_gpus))  # the node's cores, shared
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // settings.num_gpus))  # the node's cores, shared
     # R1.3 init_process_group: every rank meets at node 0's address and port, read from the environment (env://)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)  # R1.3
-    timeout, device_id = timedelta(seconds=args.dist_timeout), device if backend == "nccl" else None
-    with forming_group(rank, world_size, args):  # one clear error if not every process joins
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = settings.master_addr, str(settings.master_port)  # R1.3
+    timeout, device_id = timedelta(seconds=settings.dist_timeout), device if backend == "nccl" else None
+    with forming_group(rank, world_size, settings.dist_timeout):  # one clear error if not every process joins
         dist.init_process_group(
             backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
-    return Run(recipe, rank, local_rank, world_size, device, show_progress(args, rank == 0), None, args.model_width)
+    trainer = RawDDP(settings.num_nodes, settings.num_gpus)  # its checkpoints, TensorBoard, log fields
+    return Run(
+        recipe, rank, local_rank, world_size, device, trainer, show_progress(settings, rank == 0), settings.model_width
+    )
 
 
 # ==== data
-def build_data(args, recipe, run: Run) -> Data:
+def build_data(settings: Settings, recipe, run: Run) -> Data:
     # R1.4 one process per node downloads CIFAR-10; the others wait at the barrier
-    fetched = download_cifar10(args.data_dir) if run.local_rank == 0 else None  # R1.4
+    fetched = download_cifar10(settings.data.data_dir) if run.local_rank == 0 else None  # R1.4
     dist.barrier()  # R1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(run, load_datasets, args, recipe, run, note=fetched)
+    train_set, val_set = together(run, load_datasets, settings.data, run, note=fetched)
     # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images, padded to equal length
     train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)  # R1.5
     val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)  # R1.5
     train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))  # a resume skips
     val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options(recipe, train_set, run))  # R1.5
-    val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options(recipe, val_set, run))  # R1.5
+    train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options(train_set, run))  # R1.5
+    val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options(val_set, run))  # R1.5
     steps = len(train_batches.batches)
     return Data(train_set, val_set, train_loader, val_loader, steps, train_sampler, train_batches, val_sampler)
 
 
 # ==== model
-def build_model(args, recipe, run: Run) -> None:
+def build_model(settings: Settings, recipe, run: Run) -> None:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank
-    raw_model = WideResNet(width=args.model_width)
+    raw_model = WideResNet(width=settings.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)  # R1.7
@@ -140,27 +145,27 @@ def build_model(args, recipe, run: Run) -> None:
     run.model = DDP(run.raw_model, device_ids=device_ids, **ddp_options)  # R1.8
     if recipe.grad_compression == "bf16":  # recipe key grad_compression: all-reduce in bf16
         run.model.register_comm_hook(None, bf16_compress_hook)
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run, recipe)
+    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run)
     if recipe.compile:
         run.model = torch.compile(run.model)
     torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
 
 # ==== train
-def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
-    run = setup(local_rank, args, recipe)  # R1.2, R1.3, R1.7
+def train_process(local_rank: int, settings: Settings, recipe) -> None:
+    run = setup(local_rank, settings, recipe)  # R1.2, R1.3, R1.7
     try:
-        run.data = build_data(args, recipe, run)  # R1.4, R1.5
-        build_model(args, recipe, run)  # R1.8
-        if (progress := resume(args, recipe, run)) is None:  # beyond R1: all ranks agree on the checkpoint
+        run.data = build_data(settings, recipe, run)  # R1.4, R1.5
+        build_model(settings, recipe, run)  # R1.8
+        if (progress := resume(run, settings.checkpoints)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(args, recipe, run, progress)  # warm-up, run log, timers, bar, TensorBoard
+        watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped
             run.data.train_set.set_epoch(epoch)  # each image augmented from (seed, epoch, index): resumes exact
             watch.start_epoch(progress)
-            correct = train_epoch(args, recipe, run, run.data.train_loader, progress, watch)
+            correct = train_epoch(settings, recipe, run, run.data.train_loader, progress, watch)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
@@ -171,13 +176,15 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
             if run.is_main:  # R1.10 only rank 0 prints: one line per epoch, not one per process
                 print(epoch_line(metrics), flush=True)  # R1.10
             watch.log_epoch(metrics)
-            if args.checkpoint_dir:
-                save_checkpoint(args, recipe, run, progress, finished=done)  # beyond R1: rank 0 gathers, writes
+            if settings.checkpoints.directory:
+                save_checkpoint(
+                    run, progress, settings.checkpoints.directory, done
+                )  # beyond R1: rank 0 gathers, writes
         if run.is_main:  # R1.10
             print(final_line(progress, recipe), flush=True)  # R1.10
         # ==== teardown
-        if run.is_main and args.save:
-            torch.save(run.network.state_dict(), args.save)
+        if run.is_main and settings.save:
+            torch.save(run.network.state_dict(), settings.save)
         watch.close()
     finally:
         run = watch = None  # DDP's reference cycle holds the group: collected first, its threads end
@@ -185,7 +192,7 @@ def train_process(local_rank: int, args: argparse.Namespace, recipe) -> None:
         dist.destroy_process_group()  # R1.3
 
 
-def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor:
+def train_epoch(settings: Settings, recipe, run: Run, loader, progress, watch) -> torch.Tensor:
     """One epoch's training steps (the rest of it, on a resume); returns how many predictions were right."""
     model, optimizer, device = run.model, run.optimizer, run.device
     model.train()
@@ -206,7 +213,7 @@ def train_epoch(args, recipe, run: Run, loader, progress, watch) -> torch.Tensor
         if run.ema is not None:
             run.ema.update_parameters(run.raw_model)
         if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
-            save_and_stop(args, recipe, run, progress, step, correct, watch.seconds())
+            save_and_stop(run, progress, step, correct, watch.seconds(), settings.checkpoints.directory)
     return correct
 
 
@@ -249,21 +256,21 @@ def average_over_ranks(tensor: torch.Tensor) -> None:
 
 
 # ==== launch
-def run_process(local_rank: int, args, recipe) -> None:
+def run_process(local_rank: int, settings: Settings, recipe) -> None:
     """One rank: train_process, any failure reported as one message and an exit status."""
-    report_failures(train_process, local_rank, args, recipe)
+    report_failures(train_process, local_rank, settings, recipe)
 
 
 if __name__ == "__main__":
     try:
-        args, recipe = resolve_raw_launch(parse_args())  # R1.1: checked before any process starts
+        settings, recipe = resolve_raw_launch(parse_args())  # R1.1: checked before any process starts
     except UserError as exc:  # a bad launch: one line and exit status 2, never a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    if args.torchrun_local_rank is not None:  # torchrun started this process: it is one rank
-        run_process(args.torchrun_local_rank, args, recipe)
+    if settings.torchrun_local_rank is not None:  # torchrun started this process: it is one rank
+        run_process(settings.torchrun_local_rank, settings, recipe)
         sys.exit(0)
-    launcher = Launcher(args)  # one node, no port: opens the rendezvous store itself; passes stop signals on
+    launcher = Launcher(settings)  # one node, no port: opens the rendezvous store itself; passes stop signals on
     # R1.11 torch.multiprocessing.spawn: one process per GPU, each runs run_process(local_rank, ...)
-    context = mp.spawn(run_process, args=(args, recipe), nprocs=args.num_gpus, join=False)  # R1.11
+    context = mp.spawn(run_process, args=(settings, recipe), nprocs=settings.num_gpus, join=False)  # R1.11
     launcher.wait(context)  # exits as the ranks did

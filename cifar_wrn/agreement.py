@@ -2,30 +2,16 @@
 checkpoints, so a fault on one stops all with one message."""
 
 import itertools
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (
-    checkpoint_path,
-    read_accel_for_resume,
-    read_for_resume,
-    restore_accel,
-    restore_raw,
-    resume_disagreement,
-    resume_problem,
-    sealed,
-    training_state,
-    what_was_seen,
-    write_training_state,
-)
+from .checkpoint import attempt, resume_disagreement, resume_problem, what_was_seen
 from .errors import AgreedError, UserError, agreed_problem
 from .recipe import as_dict
 from .resilience import preempted
 from .runlog import Progress, final_line, rule_text
-from .safe_files import attempt, fresh_folder, latest_checkpoint, publish_checkpoint, save_atomic, stop_unless_written
 
 
 def _grouped() -> bool:
@@ -77,22 +63,17 @@ def training_counts(run, progress: Progress, correct: torch.Tensor, step_end: in
     return {"train_correct": progress.train_correct + correct, "train_seen": progress.train_seen + images}
 
 
-def resume(args, recipe, run) -> Progress | None:
+def resume(run, checkpoints) -> Progress | None:
     """Where this run starts: afresh, at the checkpoint all ranks agree on, or None (it had finished, and the rule
-    in force leaves nothing to train: said, with the course's last line). A refusal: one line, one rank a node."""
-    if not (args.resume or args.auto_resume):
+    in force leaves nothing to train: said, with the course's last line). A refusal: one line, one rank a node.
+    `checkpoints`: cli.Checkpoints."""
+    if checkpoints.resume is None:
         return Progress()
-    directory = args.checkpoint_dir
-    if run.accelerator is None:
-        where, (saved, problem) = checkpoint_path(directory), read_for_resume(directory, args.resume)
-        restore = (restore_raw, saved, run, where)
-    else:
-        where, saved, problem = read_accel_for_resume(directory, args.resume)
-        where = where or directory
-        restore = (restore_accel, run.accelerator, where, saved, run.device.type, run.ema, run.data.generator)
+    recipe = run.recipe
+    where, saved, problem = run.trainer.read(checkpoints.directory, checkpoints.resume == "required")
     if saved is not None:
         problem = resume_problem(saved, as_dict(recipe), run.world_size, run.model_width, run.data.sizes())
-        problem = problem or attempt(*restore)
+        problem = problem or attempt(run.trainer.restore, run, where, saved)
     problem = resume_disagreement(all_gather((what_was_seen(saved), problem)))
     if problem:  # the same on every rank: one line, from local rank 0 of each node, said before any rank exits
         # (a launcher ends the other ranks at the first exit: a line said after the teardown could be lost)
@@ -123,35 +104,13 @@ def resume(args, recipe, run) -> Progress | None:
     return None if nothing_left else progress
 
 
-def save_checkpoint(args, recipe, run, progress: Progress, finished: bool = False) -> str:
-    """Everything needed to continue at `progress`; a failed write stops every rank, the previous checkpoint whole."""
-    generator, directory = run.data.generator, args.checkpoint_dir
-    if run.accelerator is None:  # rank 0 writes DIR/checkpoint.pt, with every rank's random streams
-        cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
-        pipeline = None if generator is None else generator.get_state()
-        every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
-        state = training_state(run, progress, finished, as_dict(recipe), rng=every_rng)
-        state = sealed(state) if run.is_main else None  # its checksum, checked on resume
-        path = checkpoint_path(directory)
-        stop_unless_written(all_gather(attempt(save_atomic, state, path) if run.is_main else None), directory)
-        return str(path)
-    # every rank save_state's its part into DIR/.incomplete; the main process adds training_state.pt, with the
-    # checksums of every file there, and publishes it as DIR/state-<n>
-    pipeline = all_gather(None if generator is None else generator.get_state())
-    state = training_state(run, progress, finished, as_dict(recipe), pipeline=pipeline, device=run.device.type)
-    main, incomplete = run.is_main, os.path.join(directory, ".incomplete")
-    steps = (
-        main and (fresh_folder, incomplete),
-        (run.accelerator.save_state, incomplete),
-        main and (write_training_state, incomplete, state),
-        main and (publish_checkpoint, directory, incomplete),
-    )
-    for i, step in enumerate(steps):  # a failed first step leaves nothing to remove
-        stop_unless_written(all_gather(step and attempt(*step)), directory, i and main and incomplete or None)
-    return latest_checkpoint(directory)
+def save_checkpoint(run, progress: Progress, directory, finished: bool = False) -> str:
+    """Everything needed to continue at `progress`, in the trainer's format; a failed write stops every rank, the
+    previous checkpoint whole."""
+    return run.trainer.save(run, progress, directory, finished)
 
 
-def save_and_stop(args, recipe, run, progress: Progress, step: int, correct, seconds: float):
-    """A stop signal reached every rank at `step`: checkpoint, then stop (exit 75)."""
+def save_and_stop(run, progress: Progress, step: int, correct, seconds: float, directory):
+    """A stop signal reached every rank at `step`: checkpoint (if `directory`), then stop (exit 75)."""
     at = progress.mid_epoch(step + 1, seconds, **training_counts(run, progress, correct, step + 1))
-    raise preempted(progress.epoch, step, args.checkpoint_dir and save_checkpoint(args, recipe, run, at))
+    raise preempted(progress.epoch, step, directory and save_checkpoint(run, at, directory))

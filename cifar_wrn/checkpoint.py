@@ -1,25 +1,141 @@
-"""What the trainers' checkpoints hold, and what a resume checks."""
+"""The trainers' checkpoints: what they hold, how they are written (never torn, checksummed), found (LATEST) and
+read (as data only: others may write to the folder), and what a resume checks."""
 
-import hashlib
+import contextlib
 import os
+import pickle
 import re
+import stat
+import tempfile
 from pathlib import Path
 
 import torch
 
-from .errors import agreed_problem
+from .checksums import digest_of, file_digest, folder_digests, sealed
+from .errors import RunStopped, UserError, agreed_problem
 from .model import ARCHITECTURE
 from .recipe import Recipe, as_dict
-from .safe_files import (
-    LATEST,
-    STATE_FOLDER,
-    TRAINING_STATE,
-    CheckpointError,
-    _loading,
-    _not_ours,
-    latest_named,
-    load_data_only,
-)
+from .safe_files import fsync, remove, replace_atomically, why
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def check_writable(directory):
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as exc:
+        raise CheckpointError(f"--checkpoint-dir {directory} is not writable: {exc.strerror or exc}") from None
+
+
+def attempt(action, *args) -> str | None:
+    try:
+        action(*args)
+    except Exception as exc:
+        return str(exc) if isinstance(exc, CheckpointError) else why(exc)
+    return None
+
+
+def stop_unless_written(problems: list, directory, leftover=None):
+    if problem := agreed_problem(problems):
+        if leftover:
+            with contextlib.suppress(OSError):
+                remove(leftover)
+        raise RunStopped(
+            f"no checkpoint could be written in {directory} ({problem}); the previous checkpoint there is intact",
+            2,
+        )
+
+
+def save_atomic(state: dict, path):
+    try:
+        replace_atomically(path, lambda f: torch.save(state, f))
+    except Exception as exc:
+        raise CheckpointError(f"could not write {path}: {why(exc)}") from None
+
+
+def not_ours(path, why: str) -> str:
+    return f"{path} is not a checkpoint this project wrote ({why}); nothing in it ran; resume from one you trust"
+
+
+def load_data_only(path, required: tuple = ()) -> dict:
+    with loading(path, "cannot be read"):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(not_ours(path, f"it holds a {type(state).__name__}, not a dict"))
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(missing)}: an earlier version wrote it, or another project; start afresh in "
+            "an empty --checkpoint-dir"
+        )
+    return state
+
+
+# Not registered for checkpointing: load_state unpickles those files with weights_only=False.
+TRAINING_STATE = "training_state.pt"
+LATEST = "LATEST"
+STATE_FOLDER = re.compile(r"state-(\d+)")
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The state-<n> folder DIR/LATEST names, or None (no LATEST, or the folder it names is missing)."""
+    folder = latest_named(directory)
+    return folder if folder and os.path.isdir(folder) else None
+
+
+def latest_named(directory) -> str | None:
+    """DIR/state-<n>, as DIR/LATEST names it (the folder may be missing), or None without LATEST; others may
+    write LATEST."""
+    pointer = os.path.join(directory, LATEST)
+    try:
+        fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({exc.strerror}; a symbolic link is refused)") from None
+    with open(fd, "rb") as f:
+        name = f.read(100).decode("utf-8", "replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    folder = os.path.join(directory, name or "")
+    if name is None or not STATE_FOLDER.fullmatch(name) or os.path.islink(folder):
+        what = "is not a regular file" if name is None else f"names {name!r}"
+        raise CheckpointError(
+            f"{pointer} {what}, not a state-<n> folder (no link) of {directory}: refused. Remove {LATEST}"
+        )
+    return folder
+
+
+def publish_checkpoint(directory, incomplete: str) -> str:
+    """Atomically, via LATEST; the old one goes after."""
+    previous = latest_checkpoint(directory)
+    number = int(STATE_FOLDER.fullmatch(os.path.basename(previous)).group(1)) + 1 if previous else 1
+    folder = os.path.join(directory, f"state-{number}")
+    remove(folder)  # left by a run that died before the switch
+    for name in os.listdir(incomplete):  # save_state does not fsync
+        fsync(os.path.join(incomplete, name), os.O_NOFOLLOW)
+    os.rename(incomplete, folder)
+    replace_atomically(os.path.join(directory, LATEST), lambda f: f.write(f"state-{number}\n".encode()))
+    if previous:
+        with contextlib.suppress(OSError):  # the new checkpoint is in force already
+            remove(previous)
+    return folder
+
+
+@contextlib.contextmanager
+def loading(where, failed: str = "was found but cannot be loaded into this run"):
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as exc:  # torch's refusal, minus its advice to load with weights_only=False
+        text = (str(exc).partition("WeightsUnpickler error:")[2].strip() or str(exc)).splitlines()[0]
+        raise CheckpointError(
+            not_ours(where, "refused by weights-only loading: " + text.split(" was not an allowed global")[0])
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(f"{where} {failed} ({why(exc)})") from None
 
 
 def checkpoint_path(directory) -> Path:
@@ -48,37 +164,6 @@ NO_CHECKPOINT = (
 )
 
 
-def digest_of(state: dict) -> str:
-    """sha256 of what a checkpoint holds, every key but `digest`, value by value (a tensor: its dtype, shape and
-    bytes): the same after torch.save and torch.load, whatever the file's layout."""
-    h = hashlib.sha256()
-    _hash(h, {key: value for key, value in state.items() if key != "digest"})
-    return h.hexdigest()
-
-
-def _hash(h, value):
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"tensor {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(value, dict):
-        h.update(f"dict {len(value)}\n".encode())
-        for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
-            _hash(h, key)
-            _hash(h, value[key])
-    elif isinstance(value, (list, tuple)):
-        h.update(f"{type(value).__name__} {len(value)}\n".encode())
-        for item in value:
-            _hash(h, item)
-    else:  # numbers, strings, None: what weights-only loading gives back besides tensors
-        text = repr(value)
-        h.update(f"{type(value).__name__} {len(text)} {text}\n".encode())
-
-
-def sealed(state: dict) -> dict:
-    return {**state, "digest": digest_of(state)}
-
-
 DAMAGED = (
     "(a changed byte: a damaged disk or copy, or an edit): refused, as a truncated file is. Resume from an intact "
     "copy, or start afresh in an empty --checkpoint-dir"
@@ -88,16 +173,6 @@ DAMAGED = (
 def check_digest(state: dict, path):
     if digest_of(state) != state["digest"]:
         raise CheckpointError(f"{path} does not match the checksum it was written with {DAMAGED}")
-
-
-def file_digest(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def folder_digests(folder) -> dict:
-    """name -> sha256, for every file save_state wrote in `folder`."""
-    return {p.name: file_digest(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != TRAINING_STATE}
 
 
 def check_files(folder, state: dict, process_index: int):
@@ -136,7 +211,7 @@ def load_checkpoint(directory) -> dict:
 
 def write_training_state(folder, state: dict):
     """After every rank's save_state: training_state.pt, with the checksum of each file they wrote, and its own."""
-    torch.save(sealed({**state, "files": folder_digests(folder)}), Path(folder) / TRAINING_STATE)
+    torch.save(sealed({**state, "files": folder_digests(folder, but=TRAINING_STATE)}), Path(folder) / TRAINING_STATE)
 
 
 def read_training_state(folder) -> dict:
@@ -158,8 +233,8 @@ def _device_problem(saved_on: str, running_on: str):
 
 
 def training_state(run, progress, finished: bool, recipe: dict, **more) -> dict:
-    # Accelerate's save_state writes these itself
-    raw = {} if run.accelerator else {key: getattr(run, name).state_dict() for key, name in RAW_PARTS.items()}
+    """What both formats hold; `more`: the trainer's own (raw_ddp.py's model, optimizer, scheduler and random
+    streams; Accelerate's save_state writes those itself)."""
     return dict(
         progress.as_dict(),
         finished=finished,
@@ -169,13 +244,12 @@ def training_state(run, progress, finished: bool, recipe: dict, **more) -> dict:
         architecture=ARCHITECTURE,
         **run.data.sizes(),
         ema=None if run.ema is None else run.ema.state_dict(),
-        **raw,
         **more,
     )
 
 
 def restore_raw(checkpoint: dict, run, path="the checkpoint"):
-    with _loading("its part of the checkpoint"):
+    with loading("its part of the checkpoint"):
         rng, device = checkpoint["rng"][run.rank], run.device
         _device_problem("cpu" if rng["cuda"] is None else "cuda", device.type)
         check_digest(checkpoint, path)
@@ -196,12 +270,12 @@ def restore_accel(accelerator, folder, state: dict, device_type: str, ema, gener
 
     folder = Path(folder)
     path = folder / f"random_states_{accelerator.process_index}.pkl"
-    with _loading(folder):
+    with loading(folder):
         if not path.is_file():
             raise CheckpointError(f"{path} is missing (each rank resumes its own random streams from its file)")
         rng = accelerate_load(path)
         if not isinstance(rng, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= rng.keys():
-            raise CheckpointError(_not_ours(path, "it is not a random state"))
+            raise CheckpointError(not_ours(path, "it is not a random state"))
         _device_problem(state["device"], device_type)
         check_digest(state, folder / TRAINING_STATE)
         check_files(folder, state, accelerator.process_index)

@@ -2,25 +2,95 @@
 
 import argparse
 import os
-import socket
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from importlib.util import find_spec
 
 import torch
 
+from .checkpoint import check_writable
 from .errors import UserError, said_by_one
+from .launchers import CPU_FALLBACK_WARNING, launched_by_torchrun, launcher_world_size, port_is_free
 from .model import COURSE_WIDTH
 from .optim import scaled_lr
 from .recipe import FLOAT32_MAX, Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
-from .safe_files import check_writable
 
-CPU_FALLBACK_WARNING = (  # --device auto without CUDA
-    "warning: CUDA is not available: running on the CPU with the gloo backend (a full-data epoch: about an hour on "
-    "2 cores); for a short run add --device cpu --train-subset 2000 --val-subset 1000 --epochs 2"
-)
 NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or auto)"
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
+
+
+@dataclass(frozen=True)
+class DataSource:
+    data_dir: str = "data"  # holds cifar-10-batches-py/
+    train_subset: int | None = None  # the first N images only
+    val_subset: int | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    directory: str | None = None  # None: no checkpoints
+    resume: str | None = None  # None: start afresh; "required": --resume; "if-any": --auto-resume
+
+
+@dataclass(frozen=True)
+class Logging:
+    log_json: str | None = None  # None: a new folder under runs/
+    recipe_name: str = "baseline"  # names that folder
+    tracking_dir: str | None = None  # TensorBoard's, when --with-tracking
+    profile: bool = False
+    trace: str | None = None
+    notes: tuple = ()  # said by rank 0 as training starts
+
+
+@dataclass
+class Settings:
+    """The command line, resolved once here; the package takes these values, never the argparse namespace."""
+
+    device: str  # raw_ddp.py: cuda or cpu; accel_train.py: auto, cuda or cpu
+    dist_timeout: float  # seconds
+    data: DataSource = field(default_factory=DataSource)
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    logging: Logging = field(default_factory=Logging)
+    save: str | None = None  # the final weights
+    progress: str = "auto"  # live bars: auto, on, off
+    model_width: int = COURSE_WIDTH
+    # raw_ddp.py's launch (accel_train.py's is the launcher's)
+    num_nodes: int = 1
+    node_id: int = 0
+    num_gpus: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    torchrun_local_rank: int | None = None  # not None: torchrun started this process, one rank
+    # accel_train.py's
+    cpu: bool = False  # Accelerator(cpu=...)
+    cpu_fallback: bool = False  # --device auto found no CUDA: warned of once the group forms
+
+    @property
+    def first_rank(self) -> int:  # this node's local rank 0
+        return self.node_id * self.num_gpus
+
+
+def settings_from(args: argparse.Namespace, notes: list = (), **launch) -> Settings:
+    """The only reader of the argparse namespace besides the entry points' parse_args."""
+    resume = "required" if args.resume else "if-any" if args.auto_resume else None
+    return Settings(
+        device=args.device,
+        dist_timeout=args.dist_timeout,
+        data=DataSource(args.data_dir, args.train_subset, args.val_subset),
+        checkpoints=Checkpoints(args.checkpoint_dir, resume),
+        logging=Logging(
+            args.log_json,
+            args.recipe,
+            args.project_dir if args.with_tracking else None,
+            args.profile,
+            args.trace,
+            tuple(notes),
+        ),
+        save=args.save,
+        progress=args.progress,
+        model_width=args.model_width,
+        **launch,
+    )
 
 
 RECIPE_FLAGS = dict(
@@ -75,9 +145,9 @@ def recipe_from_args(args) -> Recipe:
     return load_recipe(args.recipe, {**parse_set(args.set), **dedicated})
 
 
-def show_progress(args, is_main: bool) -> bool:
+def show_progress(settings: Settings, is_main: bool) -> bool:
     try:
-        return is_main and args.progress != "off" and (args.progress == "on" or sys.stderr.isatty())
+        return is_main and settings.progress != "off" and (settings.progress == "on" or sys.stderr.isatty())
     except (AttributeError, ValueError):  # no stderr, or a closed one
         return False
 
@@ -119,60 +189,6 @@ def check_learning_rates(recipe: Recipe, world_size: int):
             )
 
 
-def launched_by_torchrun() -> bool:
-    return {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"} <= os.environ.keys()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-        return True
-
-
-def launcher_world_size() -> int | None:
-    sizes = (os.environ.get(k, "") for k in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"))
-    return next((int(size) for size in sizes if size.isdigit()), None)
-
-
-def local_world_size(default: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
-
-
-def launcher_name() -> str:
-    if "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # asked first: accelerate launch runs torchrun inside
-        return "accelerate launch"
-    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
-
-
-def accelerate_launch_problem(seen: int, distributed_type: str, device_type: str, version: str) -> str | None:
-    started = launcher_world_size()
-    if started not in (None, seen):
-        return (
-            f"the launcher started {started} processes (WORLD_SIZE={started}) but Accelerate sees {seen} "
-            f"(distributed_type {distributed_type}, device {device_type}): each would train alone. Without CUDA, "
-            "add --cpu after accel_train.py or set ACCELERATE_USE_CPU=1 (docs/accelerate.md, CPU traps)."
-        )
-    # the single-process launcher sets MASTER_PORT only when asked for several
-    if started is None and seen == 1 and launcher_name() == "accelerate launch" and os.environ.get("MASTER_PORT"):
-        return (
-            "accelerate launch was asked for several processes but started only this one (accelerate "
-            f"{version} runs `--cpu --num_processes N` and MULTI_CPU configs as one). For N CPU processes use "
-            "`accelerate launch --config_file accelerate_configs/two_cpus.yaml accel_train.py --cpu ...`; "
-            "for one, unset MASTER_PORT."
-        )
-    return None
-
-
 def check_launch(args, cuda_device_count: int):
     at_least_one(args, "num_nodes", "num_gpus")
     if not 0 <= args.node_id < args.num_nodes:
@@ -197,7 +213,7 @@ def check_launch(args, cuda_device_count: int):
 
 
 @said_by_one()  # under torchrun
-def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
+def resolve_raw_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
     """raw_ddp.py's device and ranks, the flags checked (R1.1)."""
     recipe = recipe_from_args(args)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -206,11 +222,10 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         args.device = "cuda" if cuda_count else "cpu"
         if not cuda_count and node_main:
             print(CPU_FALLBACK_WARNING, file=sys.stderr)
-    args.torchrun_local_rank = None
-    env_port = os.environ.get("MASTER_PORT", "")
+    torchrun_local_rank, env_port = None, os.environ.get("MASTER_PORT", "")
     if launched_by_torchrun():
         local, n, world, rank = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"))
-        args.torchrun_local_rank, args.num_gpus, args.num_nodes, args.node_id = local, n, world // n, rank // n
+        torchrun_local_rank, args.num_gpus, args.num_nodes, args.node_id = local, n, world // n, rank // n
         args.master_port = int(env_port or 0) or None
     else:
         if args.master_port is None and env_port.isdigit():
@@ -223,20 +238,22 @@ def resolve_raw_launch(args) -> tuple[argparse.Namespace, Recipe]:
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError(NO_SYNC_BN)
-    return args, recipe
+    launch = dict(num_nodes=args.num_nodes, node_id=args.node_id, num_gpus=args.num_gpus)
+    launch.update(master_addr=args.master_addr, master_port=args.master_port, torchrun_local_rank=torchrun_local_rank)
+    return settings_from(args, **launch), recipe
 
 
 @said_by_one()
-def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
+def resolve_accel_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
     """accel_train.py's device and precision, the flags checked (A1.1)."""
     from accelerate.utils import parse_flag_from_env
 
     recipe = recipe_from_args(args)
     cuda = torch.cuda.is_available()
-    args.cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
-    args.cpu |= args.device == "cpu" or args.cpu_fallback
+    cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
+    cpu = args.cpu or args.device == "cpu" or cpu_fallback
     # the launch's settings, honoured or refused; 'no' is also the launcher's default: the recipe decides
-    args.launch_notes = []
+    notes = []
     for setting, turns_on, key, value in (
         ("mixed_precision", "bf16", "precision", "bf16"),
         ("dynamo_backend", "inductor", "compile", True),
@@ -248,14 +265,12 @@ def resolve_accel_launch(args) -> tuple[argparse.Namespace, Recipe]:
                 f"(the recipe's {key})"
             )
         if asked == turns_on and getattr(recipe, key) != value:
-            args.launch_notes.append(
-                f"the launch's {setting} {asked} overrides the recipe's {key} {getattr(recipe, key)}"
-            )
+            notes.append(f"the launch's {setting} {asked} overrides the recipe's {key} {getattr(recipe, key)}")
             recipe = replace(recipe, **{key: value})
     check_training_flags(args)
     check_learning_rates(recipe, launcher_world_size() or 1)
     if args.device == "cuda" and not cuda:
         raise UserError(NO_CUDA)
-    if recipe.sync_bn and (args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not cuda):
+    if recipe.sync_bn and (cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not cuda):
         raise UserError(NO_SYNC_BN)
-    return args, recipe
+    return settings_from(args, notes, cpu=cpu, cpu_fallback=cpu_fallback), recipe

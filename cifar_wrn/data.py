@@ -155,8 +155,9 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
     return images[:subset], labels[:subset]
 
 
-def loader_options(recipe, dataset, run) -> dict:
+def loader_options(dataset, run) -> dict:
     """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses."""
+    recipe = run.recipe
     per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
     return dict(

@@ -40,9 +40,11 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_training(run, recipe: Recipe):
+def build_training(run):
+    """The learning rate, optimizer, schedule, loss and EMA of `run`'s recipe, for its raw_model."""
     from .ema import build_ema
 
+    recipe = run.recipe
     lr = scaled_lr(recipe, run.global_batch_size)
     optimizer = build_optimizer(run.raw_model, recipe, lr)
     scheduler = build_scheduler(optimizer, recipe, run.data.steps_per_epoch)

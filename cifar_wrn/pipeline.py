@@ -8,11 +8,11 @@ from torch.utils.data import Dataset
 from .data import CIFAR10, NORMALIZATION, DataError, load_split
 
 
-def load_datasets(args, recipe, run) -> tuple[Dataset, Dataset]:
-    """A DataError (the same on every rank) where a rank would get no batch."""
-    train_data = load_split(args.data_dir, True, args.train_subset)
-    val_data = load_split(args.data_dir, False, args.val_subset)
-    images, world_size = len(train_data[1]), run.world_size
+def load_datasets(source, run) -> tuple[Dataset, Dataset]:
+    """`source`: cli.DataSource. A DataError (the same on every rank) where a rank would get no batch."""
+    train_data = load_split(source.data_dir, True, source.train_subset)
+    val_data = load_split(source.data_dir, False, source.val_subset)
+    recipe, images, world_size = run.recipe, len(train_data[1]), run.world_size
     if math.ceil(images / world_size) < recipe.batch_size:
         raise DataError(
             f"{images} training images over {world_size} processes give less than one batch of "

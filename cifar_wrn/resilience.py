@@ -1,11 +1,13 @@
-"""Stop signals and non-finite losses, agreed by all ranks."""
+"""Stop signals and non-finite losses, agreed by all ranks; a rank's failure reported as one message."""
 
+import os
 import signal
 from time import monotonic
 
 import torch
+import torch.distributed as dist
 
-from .errors import RunStopped
+from .errors import RunStopped, run_reporting_failures
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the Slurm scripts requeue on it
 CHECK_EVERY = 10  # most steps between agreements: each costs a GPU sync
@@ -73,3 +75,12 @@ def preempted(epoch: int, step: int, checkpoint_written: str | None) -> RunStopp
     return RunStopped(
         f"{where}: checkpoint written to {checkpoint_written}; rerun with --resume to continue", PREEMPTED_EXIT
     )
+
+
+def report_failures(train, local_rank: int, settings, recipe) -> None:
+    """One rank: train(local_rank, settings, recipe), any failure reported as one message and an exit status."""
+    install_stop_handlers()  # a stop from now on, start-up included, checkpoints and stops at the first step
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # Launcher's ranks start with them blocked: now due
+    rank = os.environ.get("RANK") or settings.first_rank + local_rank
+    lost_contact = (dist.DistBackendError, dist.DistNetworkError)
+    run_reporting_failures(lambda: train(local_rank, settings, recipe), rank, lost_contact)

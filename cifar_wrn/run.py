@@ -60,9 +60,10 @@ class Run:
     local_rank: int  # on this node: the GPU it uses
     world_size: int
     device: torch.device
+    trainer: object  # what differs between the trainers: trainers.RawDDP or trainers.Accelerated
     show: bool = False  # progress bars
-    accelerator: object = None  # accel_train.py's Accelerator
     model_width: int = COURSE_WIDTH
+    accelerator: object = None  # accel_train.py's Accelerator, for its own lines
     data: Data | None = None
     model: torch.nn.Module | None = None  # what the loop trains: raw_model in DDP, maybe compiled
     raw_model: torch.nn.Module | None = None  # the WideResNet itself

@@ -140,11 +140,12 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(args, recipe, run, progress: Progress, **launch) -> "JsonLog":
+def open_run_log(run, progress: Progress, log_json: str | None, recipe_name: str, **launch) -> "JsonLog":
+    """Rank 0's log (the others' writes go nowhere), its header written: the run's launch, sizes and recipe."""
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
-    layout, prefix = f"{launch['num_nodes']}x{launch['num_gpus']}", "accel-" if run.accelerator else ""
-    path = run_log_path(args.log_json, args.recipe, layout, prefix) if run.is_main else None
+    recipe, layout = run.recipe, f"{launch['num_nodes']}x{launch['num_gpus']}"
+    path = run_log_path(log_json, recipe_name, layout, run.trainer.log_prefix) if run.is_main else None
     resumed = bool(progress.epoch or progress.step)
     log = JsonLog(path, append=resumed)
     if path:

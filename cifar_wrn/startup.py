@@ -9,10 +9,11 @@ import torch
 from .profiling import synchronized_clock
 
 
-def warm_up(run, recipe, resumed: bool = False) -> float:
+def warm_up(run, resumed: bool = False) -> float:
     """recipe.startup_steps steps and a validation forward; the seconds taken. A resumed DDP run takes at least one:
     DDP reorders its gradient buckets after a process's first backward, which the run never stopped did at its first
     step, and from 3 ranks on the all-reduce's order of additions follows the buckets' layout."""
+    recipe = run.recipe
     steps = max(recipe.startup_steps, int(resumed and run.ddp is not None))
     if not steps:
         return 0.0

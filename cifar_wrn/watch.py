@@ -6,7 +6,6 @@ import torch
 
 from .agreement import agree_on_flags
 from .bars import EpochBar
-from .launch import launch_fields
 from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from .resilience import StepGuard
 from .runlog import JsonLog, Progress, open_run_log
@@ -15,33 +14,29 @@ from .startup import warm_up
 TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 
 
-def start_training(args, recipe, run, progress: Progress) -> "Watch":
+def start_training(run, progress: Progress, logging) -> "Watch":
+    """`logging`: cli.Logging."""
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     resumed = bool(progress.epoch or progress.step)
-    startup = warm_up(run, recipe, resumed) if progress.epochs_left(recipe) else 0.0
-    log = open_run_log(args, recipe, run, progress, **launch_fields(args, run), startup_seconds=startup)
-    for note in getattr(args, "launch_notes", []) if run.is_main else []:  # accel_train.py's
+    startup = warm_up(run, resumed) if progress.epochs_left(run.recipe) else 0.0
+    launch = run.trainer.launch_fields(run)
+    log = open_run_log(run, progress, logging.log_json, logging.recipe_name, **launch, startup_seconds=startup)
+    for note in logging.notes if run.is_main else ():
         print(f"note: {note}", flush=True)
-    watch = Watch(args, run, log)
-    if args.with_tracking and run.is_main:  # TensorBoard events in --project-dir/<the run log's folder>
-        name = Path(log.file.name).resolve().parent.name
-        if run.accelerator:  # Accelerator(log_with="tensorboard"): accelerator.log writes, end_training closes
-            run.accelerator.init_trackers(name)
-            watch.tracker = run.accelerator
-        else:
-            from torch.utils.tensorboard import SummaryWriter  # the optional extra, checked before launch
-
-            watch.tracker = SummaryWriter(str(Path(args.project_dir, name)))
+    watch = Watch(run, log, logging.profile, logging.trace)
+    if logging.tracking_dir and run.is_main:  # TensorBoard events in --project-dir/<the run log's folder>
+        watch.tracker = run.trainer.tracker(run, Path(log.file.name).resolve().parent.name, logging.tracking_dir)
     return watch
 
 
 class Watch:
-    def __init__(self, args, run, log: JsonLog):  # the stop handlers: installed as the rank starts (report_failures)
-        self.run, self.log, self.profile = run, log, args.profile
+    def __init__(self, run, log: JsonLog, profile: bool = False, trace: str | None = None):
+        # the stop handlers: installed as the rank starts (resilience.report_failures)
+        self.run, self.log, self.profile = run, log, profile
         self.guard = StepGuard(run.rank, run.world_size, run.device)
-        self.timer = PhaseTimer(run.device, enabled=args.profile, trace_dir=args.trace, rank=run.rank)
-        self.last_images, self.tracker = None, None  # tracker: a SummaryWriter, or an Accelerator with trackers
-        if args.profile:
+        self.timer = PhaseTimer(run.device, enabled=profile, trace_dir=trace, rank=run.rank)
+        self.last_images, self.tracker = None, None  # tracker: the trainer's (trainers.py), with log and close
+        if profile:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
 
@@ -49,7 +44,7 @@ class Watch:
         self.progress = progress
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
-        track = self.tracker and self.track
+        track = self.tracker and self.tracker.log
         self.bar = EpochBar(self.run.show, progress.epoch + 1, steps, progress.step, self.run.global_batch_size, track)
 
     def step_done(self, step: int, loss: torch.Tensor) -> bool:
@@ -80,17 +75,9 @@ class Watch:
             print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
         if self.tracker:
-            self.track({key: metrics[key] for key in TRACKED}, metrics["epoch"])
-
-    def track(self, values: dict, step: int):
-        if hasattr(self.tracker, "add_scalar"):  # raw_ddp.py's SummaryWriter
-            for tag, value in values.items():
-                self.tracker.add_scalar(tag, value, step)
-            self.tracker.flush()  # as Accelerate's tracker does: a crash loses nothing logged
-        else:  # accel_train.py's Accelerator: accelerator.log
-            self.tracker.log(values, step=step)
+            self.tracker.log({key: metrics[key] for key in TRACKED}, metrics["epoch"])
 
     def close(self):
         self.log.close()
-        if hasattr(self.tracker, "add_scalar"):  # Accelerate's end_training closes its own
+        if self.tracker:
             self.tracker.close()

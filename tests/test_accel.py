@@ -44,13 +44,12 @@ from torch.utils.data import DataLoader
 
 import accel_train
 import raw_ddp
-from cifar_wrn.checkpoint import read_training_state
+from cifar_wrn.checkpoint import latest_checkpoint, read_training_state
 from cifar_wrn.cli import CPU_FALLBACK_WARNING, resolve_accel_launch
 from cifar_wrn.data import CIFAR10, load_split
 from cifar_wrn.errors import UserError
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
-from cifar_wrn.safe_files import latest_checkpoint
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
@@ -271,14 +270,14 @@ def test_the_launch_turns_bf16_and_inductor_on_with_a_note_and_other_values_are_
 ):
     """A launch setting is honoured (a note says so) or refused, never silently replaced by the recipe's."""
     monkeypatch.setenv(variable, asked)
-    args, recipe = resolve_accel_launch(accel_train.parse_args([]))
+    settings, recipe = resolve_accel_launch(accel_train.parse_args([]))
     assert getattr(recipe, key) == launch_value
-    assert args.launch_notes == [
-        f"the launch's {variable[11:].lower()} {asked.lower()} overrides the recipe's {key} {recipe_value}"
-    ]
+    assert settings.logging.notes == (
+        f"the launch's {variable[11:].lower()} {asked.lower()} overrides the recipe's {key} {recipe_value}",
+    )
     monkeypatch.setenv(variable, "no")  # accelerate launch's default: the recipe decides
-    args, recipe = resolve_accel_launch(accel_train.parse_args(["--set", f"{key}={launch_value}"]))
-    assert getattr(recipe, key) == launch_value and args.launch_notes == []
+    settings, recipe = resolve_accel_launch(accel_train.parse_args(["--set", f"{key}={launch_value}"]))
+    assert getattr(recipe, key) == launch_value and settings.logging.notes == ()
     args, recipe = resolve_accel_launch(accel_train.parse_args([]))
     assert getattr(recipe, key) == recipe_value
     for other in ("fp16", "aot_eager") if key == "precision" else ("AOT_EAGER", "CUDAGRAPHS"):

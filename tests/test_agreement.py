@@ -35,6 +35,7 @@ import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
 from cifar_wrn.checkpoint import (
+    latest_checkpoint,
     load_checkpoint,
     read_training_state,
     resume_disagreement,
@@ -46,7 +47,6 @@ from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.profiling import PHASES
 from cifar_wrn.runlog import read_log
-from cifar_wrn.safe_files import latest_checkpoint
 
 
 def two_nodes(node_flags: list[list], timeout=120):

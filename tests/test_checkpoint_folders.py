@@ -17,8 +17,14 @@ import pytest
 import torch
 from helpers import TINY, cpu_env, data_flags, finish, start
 
-from cifar_wrn.checkpoint import ACCEL_KEYS, RAW_KEYS, load_checkpoint, read_training_state
-from cifar_wrn.safe_files import TRAINING_STATE, CheckpointError
+from cifar_wrn.checkpoint import (
+    ACCEL_KEYS,
+    RAW_KEYS,
+    TRAINING_STATE,
+    CheckpointError,
+    load_checkpoint,
+    read_training_state,
+)
 
 TIMEOUT = 180  # seconds per launch (several side by side on a loaded machine); then every process is killed
 TRAINERS = ["raw", "accel"]

@@ -17,6 +17,7 @@ from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
 from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
 from cifar_wrn.run import Run
+from cifar_wrn.trainers import RawDDP
 
 # ----------------------------------------------------------------------------- model
 
@@ -252,9 +253,9 @@ def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch,
     flags = ["--device", "cpu", "--data-dir", cifar_dir, "--train-subset", TRAIN_IMAGES, "--val-subset", VAL_IMAGES]
     flags += ["--batch-size", 32, "--set", f"data_pipeline={pipeline}", "--set", "num_workers=0"]
     flags += ["--set", "augmentation=crop_flip"]  # the course's needs the DataLoader pipeline
-    args, recipe = resolve_raw_launch(raw_ddp.parse_args([str(f) for f in flags]))
-    runs = [Run(recipe, rank, rank, 2, torch.device("cpu")) for rank in (0, 1)]
-    ranks = [raw_ddp.build_data(args, recipe, run) for run in runs]
+    settings, recipe = resolve_raw_launch(raw_ddp.parse_args([str(f) for f in flags]))
+    runs = [Run(recipe, rank, rank, 2, torch.device("cpu"), RawDDP(1, 2)) for rank in (0, 1)]
+    ranks = [raw_ddp.build_data(settings, recipe, run) for run in runs]
     orders = []
     for epoch in (0, 1):
         for data in ranks:

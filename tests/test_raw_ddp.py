@@ -125,7 +125,10 @@ def test_rank_arithmetic(nodes, gpus):
     ranks = []
     for node_id in range(nodes):
         for local_rank in range(gpus):
-            names = {"args": SimpleNamespace(num_nodes=nodes, num_gpus=gpus, node_id=node_id), "local_rank": local_rank}
+            names = {
+                "settings": SimpleNamespace(num_nodes=nodes, num_gpus=gpus, node_id=node_id),
+                "local_rank": local_rank,
+            }
             exec("\n".join(tagged), {}, names)
             assert names["world_size"] == nodes * gpus and names["rank"] == node_id * gpus + local_rank
             ranks.append(names["rank"])

@@ -14,7 +14,8 @@ import sys
 import pytest
 from helpers import ACCEL_TINY, REPO, TINY, cpu_env, data_flags, finish, free_port, start
 
-import cifar_wrn.launch
+import cifar_wrn.rendezvous
+import cifar_wrn.resilience
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.errors import UserError
 
@@ -36,8 +37,8 @@ def main_in_this_process(trainer, flags, monkeypatch, capsys) -> tuple[int, str]
         raise AssertionError(f"{trainer} {' '.join(map(str, flags))} was not refused: it went on to train")
 
     clean_launch_environment(monkeypatch)
-    monkeypatch.setattr(cifar_wrn.launch, "Launcher", not_refused)
-    monkeypatch.setattr(cifar_wrn.launch, "report_failures", not_refused)
+    monkeypatch.setattr(cifar_wrn.rendezvous, "Launcher", not_refused)
+    monkeypatch.setattr(cifar_wrn.resilience, "report_failures", not_refused)
     monkeypatch.setattr(sys, "argv", [trainer, *DEVICE[trainer], *map(str, flags)])
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:

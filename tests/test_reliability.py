@@ -16,11 +16,19 @@ from helpers import EPOCH_LINE, cpu_env, finish, raw_flags, resume_flags, start,
 from helpers import raw_ddp as run_raw
 from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch, reliability_flags, worker_processes
 
-from cifar_wrn.checkpoint import checkpoint_path, load_checkpoint, read_training_state, resume_problem
+from cifar_wrn.checkpoint import (
+    CheckpointError,
+    check_writable,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    read_training_state,
+    resume_problem,
+    save_atomic,
+)
 from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.resilience import PREEMPTED_EXIT
 from cifar_wrn.runlog import read_log
-from cifar_wrn.safe_files import CheckpointError, check_writable, latest_checkpoint, save_atomic
 
 
 def flags(cifar_dir, *extra):

@@ -14,9 +14,8 @@ from test_accel import CONFIGS, accelerate_command, reliability_flags
 from test_exact_resume import environment
 from test_reliability import rank_processes
 
-from cifar_wrn.checkpoint import load_checkpoint
+from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint
 from cifar_wrn.resilience import PREEMPTED_EXIT
-from cifar_wrn.safe_files import latest_checkpoint
 
 
 def wait_for(path, timeout=60):
