@@ -13,9 +13,10 @@ Where Accelerate replaces a course step, `# A1.<n>` stands for raw_ddp.py's `# R
     A1.10  only the main process prints                             train_process
     A1.11  the launcher starts one process per GPU                  __main__
 Collectives that are not course steps say `# beyond R1: <why>` where this file calls them; they run in
-    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, checkpoints
+    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, the resume point
+    cifar_wrn/trainers.py save      a checkpoint: every rank's random streams and write problems (all_gather)
     cifar_wrn/resilience.py check   the stop flags' all_reduce, every few steps (called by watch.step_done)
-    cifar_wrn/ema.py recalibrate_bn average_over_ranks, passed in (recipe key bn_recalibration)
+    cifar_wrn/bn_recalibration.py recalibrate_bn  average_over_ranks, passed in (recipe key bn_recalibration)
     cifar_wrn/startup.py warm_up    DDP's forward and backward (recipe key startup_steps)
     cifar_wrn/profiling.py allreduce_cost  DDP's backward, timed (--profile)
     cifar_wrn/evaluation.py evaluate_run  gather_for_metrics, passed in (A1.9), on to:
@@ -56,19 +57,21 @@ from accelerate.utils import DDPCommunicationHookType, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
+from cifar_wrn.bn_recalibration import recalibrate_bn
+from cifar_wrn.cifar_files import download_cifar10
 from cifar_wrn.cli import Settings, add_training_flags, launch_commands, resolve_accel_launch, show_progress
-from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
-from cifar_wrn.ema import recalibrate_bn
+from cifar_wrn.datasets import load_datasets
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
 from cifar_wrn.launchers import check_accelerate_launch
+from cifar_wrn.loaders import SkipFirst, loader_options
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
-from cifar_wrn.pipeline import load_datasets
 from cifar_wrn.rendezvous import forming_group
 from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Run
-from cifar_wrn.runlog import epoch_line, final_line
+from cifar_wrn.runlog import epoch_line
+from cifar_wrn.stopping import final_line
 from cifar_wrn.trainers import Accelerated
 from cifar_wrn.watch import start_training
 

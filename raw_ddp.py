@@ -13,9 +13,10 @@ The course's DDP steps, each tagged `# R1.<n>` where it happens, and the functio
     R1.10  only rank 0 prints                                       train_process
     R1.11  torch.multiprocessing.spawn under __main__               __main__
 Collectives that are not course steps say `# beyond R1: <why>` where this file calls them; they run in
-    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, checkpoints
+    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, the resume point
+    cifar_wrn/trainers.py save      a checkpoint: every rank's random streams and write problems (all_gather)
     cifar_wrn/resilience.py check   the stop flags' all_reduce, every few steps (called by watch.step_done)
-    cifar_wrn/ema.py recalibrate_bn average_over_ranks, passed in (recipe key bn_recalibration)
+    cifar_wrn/bn_recalibration.py recalibrate_bn  average_over_ranks, passed in (recipe key bn_recalibration)
     cifar_wrn/startup.py warm_up    DDP's forward and backward (recipe key startup_steps)
     cifar_wrn/profiling.py allreduce_cost  DDP's backward, timed (--profile)
 and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
@@ -56,18 +57,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
+from cifar_wrn.bn_recalibration import recalibrate_bn
+from cifar_wrn.cifar_files import download_cifar10
 from cifar_wrn.cli import Settings, add_training_flags, launch_commands, resolve_raw_launch, show_progress
-from cifar_wrn.data import SkipFirst, download_cifar10, loader_options
-from cifar_wrn.ema import recalibrate_bn
+from cifar_wrn.datasets import load_datasets
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
+from cifar_wrn.loaders import SkipFirst, loader_options
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
-from cifar_wrn.pipeline import load_datasets
 from cifar_wrn.rendezvous import Launcher, forming_group
 from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Run
-from cifar_wrn.runlog import epoch_line, final_line
+from cifar_wrn.runlog import epoch_line
+from cifar_wrn.stopping import final_line
 from cifar_wrn.trainers import RawDDP
 from cifar_wrn.watch import start_training
 

@@ -2,9 +2,9 @@
 
     python bench/data_pipeline.py [--data-dir data] [--device cpu|cuda] [--threads N] [--batch-size 256]
 
-baseline: DataLoader over cifar_wrn.data.CIFAR10 (per-image RandomCrop + flip + normalise, collated);
+baseline: DataLoader over cifar_wrn.datasets.CIFAR10 (per-image RandomCrop + flip + normalise, collated);
           num_workers=0 on CPU (workers would take the same cores), --workers on GPU.
-device:   cifar_wrn.pipeline.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
+device:   cifar_wrn.datasets.DeviceBatches behind DataLoader(batch_size=None, sampler=BatchSampler(...)):
           the whole uint8 set on the device, one batched crop/flip/normalise per step.
 seeded:   the baseline with each image augmented from its own seed (seed, epoch, index), as the trainers do
           (CIFAR10(seed=0)): what exact resumes cost, as the ratio seeded / baseline.
@@ -18,8 +18,8 @@ import torch
 from common import add_timing_flags, apply_timing_flags  # bench/common.py
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-from cifar_wrn.data import CIFAR10, dataset_present, load_split
-from cifar_wrn.pipeline import DeviceBatches
+from cifar_wrn.cifar_files import dataset_present, load_split
+from cifar_wrn.datasets import CIFAR10, DeviceBatches
 
 CLOCK = time.perf_counter  # or time.process_time with --clock cpu
 

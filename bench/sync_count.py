@@ -27,12 +27,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.cli import free_port
-from cifar_wrn.data import SkipFirst
+from cifar_wrn.datasets import DeviceBatches
 from cifar_wrn.ema import build_ema
 from cifar_wrn.errors import UserError
+from cifar_wrn.loaders import SkipFirst
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
-from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import load_recipe, parse_set
 from cifar_wrn.resilience import StepGuard
 

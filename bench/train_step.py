@@ -21,10 +21,9 @@ import torch
 from common import add_timing_flags, apply_timing_flags  # bench/common.py
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
-from cifar_wrn.data import CIFAR10
+from cifar_wrn.datasets import CIFAR10, DeviceBatches
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, scaled_lr
-from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import load_recipe
 
 CLOCK = time.perf_counter  # or time.process_time with --clock cpu

@@ -11,7 +11,7 @@ from .checkpoint import attempt, resume_disagreement, resume_problem, what_was_s
 from .errors import AgreedError, UserError, agreed_problem
 from .recipe import as_dict
 from .resilience import preempted
-from .runlog import Progress, final_line, rule_text
+from .stopping import Progress, final_line, rule_text
 
 
 def _grouped() -> bool:

@@ -1,13 +1,9 @@
 """EMA of the weights, decay min(d, (1 + n) / (10 + n)): a fixed d would keep d**n of the random init."""
 
-import copy
-
 import numpy
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, update_bn
-
-from .pipeline import recalibration_batches
+from torch.optim.swa_utils import AveragedModel
 
 
 def warmed_up_decay(decay: float, num_updates) -> numpy.float32:
@@ -46,32 +42,3 @@ class WarmedUpEMA(AveragedModel):
 
 
 build_ema = WarmedUpEMA
-
-
-@torch.no_grad()
-def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average):
-    """fork_rng: update_bn's Dropout must not draw from the training's stream."""
-    if not batches:
-        return
-    device = next(network.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.autocast(**autocast):
-        update_bn(batches, network)
-    for module in network.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            average(module.running_mean), average(module.running_var)
-
-
-def recalibrated(network: nn.Module, train_set, recipe, world_size: int) -> nn.Module:
-    """A copy recalibrated on the CPU as a `world_size`-process run would."""
-    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
-    shares = []
-    for rank in range(world_size):
-        share = copy.deepcopy(network)
-        batches = recalibration_batches(train_set, recipe, rank, world_size, "cpu")
-        recalibrate_bn(share, batches, autocast, lambda _: None)
-        shares.append(dict(share.named_buffers()))
-    result = copy.deepcopy(network)
-    for name, buffer in result.named_buffers():
-        if name.endswith(("running_mean", "running_var")):
-            buffer.copy_(sum(share[name] for share in shares) / world_size)
-    return result

@@ -6,10 +6,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .data import SkipFirst
+from .bn_recalibration import recalibration_batches
+from .datasets import DeviceBatches
 from .evaluation import real_sample_mask
+from .loaders import SkipFirst
 from .model import COURSE_WIDTH
-from .pipeline import DeviceBatches, recalibration_batches
 from .recipe import Recipe, memory_format
 
 

@@ -8,8 +8,9 @@ from .agreement import agree_on_flags
 from .bars import EpochBar
 from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
 from .resilience import StepGuard
-from .runlog import JsonLog, Progress, open_run_log
+from .runlog import JsonLog, open_run_log
 from .startup import warm_up
+from .stopping import Progress
 
 TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 

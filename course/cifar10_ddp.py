@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # R1.8
 from torch.utils.data import DataLoader, DistributedSampler  # R1.5
 
-from cifar_wrn.data import CIFAR10, DataError, download_cifar10, load_split  # pip install -e . (README)
+from cifar_wrn.cifar_files import DataError, download_cifar10, load_split
+from cifar_wrn.datasets import CIFAR10  # pip install -e . (README)
 from cifar_wrn.model import WideResNet  # the course's model, class for class
 
 

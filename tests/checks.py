@@ -24,10 +24,10 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
     """The last logged validation metrics (bf16, flip TTA) equal one process evaluating the saved weights."""
     from torch.utils.data import BatchSampler, DataLoader
 
-    from cifar_wrn.data import load_split
+    from cifar_wrn.cifar_files import load_split
+    from cifar_wrn.datasets import DeviceBatches
     from cifar_wrn.evaluation import evaluate
     from cifar_wrn.model import WideResNet
-    from cifar_wrn.pipeline import DeviceBatches
     from cifar_wrn.runlog import read_log
 
     _, epochs = read_log(log_path)
@@ -57,11 +57,10 @@ def first_batchnorm(model: torch.nn.Module) -> str:
 def recalibrated_again(weights_path, cifar_dir, images: int, world_size: int) -> tuple[dict, dict]:
     """The saved width-4 network's state_dict, and the same with its BatchNorm statistics re-estimated: 32 images
     per batch, bf16 and channels_last, as the tests' fast recipe runs, on each rank's recalibration images,
-    averaged over the ranks (cifar_wrn.ema.recalibrated)."""
-    from cifar_wrn.data import load_split
-    from cifar_wrn.ema import recalibrated
+    averaged over the ranks (recalibrated, below)."""
+    from cifar_wrn.cifar_files import load_split
+    from cifar_wrn.datasets import DeviceBatches
     from cifar_wrn.model import WideResNet
-    from cifar_wrn.pipeline import DeviceBatches
     from cifar_wrn.recipe import load_recipe
 
     saved = WideResNet(width=4)
@@ -114,3 +113,24 @@ def parameter_distance(weights_a, weights_b, width: int = 4) -> float:
     a, b = torch.load(weights_a), torch.load(weights_b)
     names = [name for name, _ in WideResNet(width=width).named_parameters()]
     return sum(((a[n].double() - b[n].double()) ** 2).sum() for n in names).sqrt().item()
+
+
+def recalibrated(network, train_set, recipe, world_size: int):
+    """A copy of `network` recalibrated on the CPU as a `world_size`-process run would: each rank's share
+    re-estimated alone, then the statistics averaged."""
+    import copy
+
+    from cifar_wrn.bn_recalibration import recalibrate_bn, recalibration_batches
+
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
+    shares = []
+    for rank in range(world_size):
+        share = copy.deepcopy(network)
+        batches = recalibration_batches(train_set, recipe, rank, world_size, "cpu")
+        recalibrate_bn(share, batches, autocast, lambda _: None)
+        shares.append(dict(share.named_buffers()))
+    result = copy.deepcopy(network)
+    for name, buffer in result.named_buffers():
+        if name.endswith(("running_mean", "running_var")):
+            buffer.copy_(sum(share[name] for share in shares) / world_size)
+    return result

@@ -33,11 +33,11 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import accel_train
 import raw_ddp
+from cifar_wrn.bn_recalibration import recalibrate_bn, recalibration_batches
+from cifar_wrn.cifar_files import DataError, load_split
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
-from cifar_wrn.data import CIFAR10, DataError, load_split
-from cifar_wrn.ema import recalibrate_bn
+from cifar_wrn.datasets import CIFAR10, DeviceBatches, random_crop_flip
 from cifar_wrn.errors import UserError
-from cifar_wrn.pipeline import DeviceBatches, random_crop_flip, recalibration_batches
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
 
@@ -273,8 +273,9 @@ def test_recalibration_gives_every_rank_the_same_batches(images, world_size, bat
 
 SYNC_BN_STAND_IN = """
 import sys, torch, torch.distributed as dist
-from cifar_wrn.ema import recalibrate_bn
-from cifar_wrn.pipeline import DeviceBatches, recalibration_batches
+from cifar_wrn.bn_recalibration import recalibrate_bn
+from cifar_wrn.datasets import DeviceBatches
+from cifar_wrn.bn_recalibration import recalibration_batches
 from cifar_wrn.recipe import load_recipe
 
 class Collective(torch.nn.Module):  # what SyncBatchNorm does in each training-mode forward: a collective
@@ -380,7 +381,9 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
         per_epoch = {key: n for key, n in counts.items() if key not in guard}  # the loader's start, the copy
         # at most every other step: StepGuard agrees more often when steps are slow (bf16 emulated on AVX2: 2 steps)
         assert sum(guard.values()) <= steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
-        assert [n for key, n in counts.items() if key.startswith("cifar_wrn/data.py") and "torch.tensor" in key] == [2]
+        assert [n for key, n in counts.items() if key.startswith("cifar_wrn/loaders.py") and "torch.tensor" in key] == [
+            2
+        ]
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ import torch
 from helpers import REPO, TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
+from cifar_wrn.cifar_files import DataError, load_split
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
-from cifar_wrn.data import CIFAR10, MEAN, STD, DataError, load_split
+from cifar_wrn.datasets import CIFAR10, MEAN, STD, DeviceBatches
 from cifar_wrn.evaluation import evaluate, real_sample_mask, tta_logits
 from cifar_wrn.model import COURSE_PARAMETERS, WideResNet, count_parameters
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
-from cifar_wrn.pipeline import DeviceBatches
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
 from cifar_wrn.run import Run
 from cifar_wrn.trainers import RawDDP
@@ -477,7 +477,7 @@ def test_linear_lr_scaling_and_schedule():
 
 def test_random_crops_shift_by_at_most_4_pixels():
     """White images: the zero padding (negative once normalised) reaches exactly 4 pixels in, in both pipelines."""
-    from cifar_wrn.pipeline import DeviceBatches
+    from cifar_wrn.datasets import DeviceBatches
 
     white = torch.full((256, 3, 32, 32), 255, dtype=torch.uint8)
     labels = torch.zeros(256, dtype=torch.long)
@@ -535,7 +535,7 @@ class SignalsItself(torch.utils.data.Dataset):
 
 @pytest.mark.slow  # DataLoader worker processes (started inside the project's code)
 def test_loader_workers_survive_a_stop_signal():
-    from cifar_wrn.data import ignore_stop_signal
+    from cifar_wrn.loaders import ignore_stop_signal
 
     loader = torch.utils.data.DataLoader(
         SignalsItself(), batch_size=2, num_workers=1, worker_init_fn=ignore_stop_signal, multiprocessing_context="spawn"

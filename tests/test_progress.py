@@ -30,11 +30,11 @@ from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
 from cifar_wrn import bars
+from cifar_wrn.cifar_files import load_split
 from cifar_wrn.cli import add_training_flags, show_progress
-from cifar_wrn.data import CIFAR10, load_split
+from cifar_wrn.datasets import CIFAR10, DeviceBatches
 from cifar_wrn.evaluation import evaluate
 from cifar_wrn.model import WideResNet
-from cifar_wrn.pipeline import DeviceBatches
 
 TIMEOUT = 240  # seconds per run; every process it started is killed after that (helpers.kill_all)
 STEPS = 5  # 320 training images, 32 per process, 2 processes

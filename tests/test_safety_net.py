@@ -13,7 +13,8 @@ from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler
 from cifar_wrn.recipe import Recipe, load_recipe
-from cifar_wrn.runlog import Progress, criterion_met, epoch_line, final_line, read_log
+from cifar_wrn.runlog import epoch_line, read_log
+from cifar_wrn.stopping import Progress, criterion_met, final_line
 
 # ----------------------------------------------------------------------------- the rule, without processes
 

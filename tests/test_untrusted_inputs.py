@@ -32,8 +32,8 @@ from cifar_wrn.checkpoint import (
     read_training_state,
     sealed,
 )
+from cifar_wrn.cifar_files import DataError, load_split
 from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
-from cifar_wrn.data import DataError, load_split
 
 NOT_OURS = "is not a checkpoint this project wrote"
 

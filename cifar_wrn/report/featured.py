@@ -55,7 +55,8 @@ def featured_text(runs: list[Run]) -> str:
 def printed_lines(run: Run) -> list[str]:
     """What rank 0 printed, line for line from the log: each epoch's line and the final line (the trainers'
     own functions, cifar_wrn/runlog.py), or none when the log ends before the run did."""
-    from ..runlog import epoch_line, final_text
+    from ..runlog import epoch_line
+    from ..stopping import final_text
 
     lines = [epoch_line(e) for e in run.epochs]
     stop = run_stop(run)

@@ -19,7 +19,7 @@ def stopping_epoch(accuracies, target, patience) -> int | None:
     """Index (0-based) of the first epoch at which the trainers stop early (runlog.criterion_met, the course's
     rule), or None. `target` and `patience`: one value, or one per epoch (the values in force when it was
     logged: a resume may change them, Run.rules)."""
-    from ..runlog import criterion_met
+    from ..stopping import criterion_met
 
     targets = target if isinstance(target, list) else [target] * len(accuracies)
     patiences = patience if isinstance(patience, list) else [patience] * len(accuracies)
@@ -32,7 +32,7 @@ def stopping_epoch(accuracies, target, patience) -> int | None:
 def run_stop(run: Run) -> int | None:
     """The epoch index at which `run` stopped under the rules in force, or None. A resume checks its rule over the
     logged epochs before it trains: where that held, the run stopped at the last epoch logged before it."""
-    from ..runlog import criterion_met
+    from ..stopping import criterion_met
 
     stop = stopping_epoch(run.accuracies, *run.rules)
     if stop is None and run.epochs and criterion_met(run.accuracies, run.target, run.patience):

@@ -97,7 +97,7 @@ def _profile_keys(epochs: list[dict]) -> list[str]:
 
 def _streak_marks(run: Run) -> list[str]:
     """Per epoch, the criterion's progress under the rule then in force: 'k/patience', '... , stop' where met."""
-    from ..runlog import trailing_streak
+    from ..stopping import trailing_streak
 
     stop, (targets, patiences), at_stop = run_stop(run), run.rules, run_rule(run)
     marks = []

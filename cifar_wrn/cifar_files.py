@@ -1,13 +1,11 @@
-"""CIFAR-10: find or download, load and validate; the per-image dataset."""
+"""CIFAR-10 on disk: found, downloaded (one process per node), and read as data only, checked."""
 
-import itertools
 import os
 import pickle
 from pathlib import Path
 
 import numpy
 import torch
-from torch.utils.data import Dataset, Sampler
 
 from .errors import UserError
 
@@ -21,10 +19,6 @@ OFFICIAL_MD5 = "c58f30108f718f92721af3b95e74349a"
 FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 VAL_FILES = ["test_batch"]
-
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
-NORMALIZATION = {"cifar": (MEAN, STD), "course": ((0.5,) * 3, (0.5,) * 3)}
 
 
 class DataError(UserError):
@@ -153,100 +147,3 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
             f"--{flag}-subset {subset}: must be between 1 and {len(labels)} (the {split} images in {folder})"
         )
     return images[:subset], labels[:subset]
-
-
-def loader_options(dataset, run) -> dict:
-    """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses."""
-    recipe = run.recipe
-    per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
-    num_workers = recipe.num_workers if per_image_on_gpu else 0
-    return dict(
-        num_workers=num_workers,
-        pin_memory=per_image_on_gpu,
-        persistent_workers=num_workers > 0,
-        multiprocessing_context="fork" if num_workers else None,  # not spawn (mp.spawn's ranks): no import, at once
-        worker_init_fn=ignore_stop_signal,
-        generator=torch.Generator().manual_seed(recipe.seed + run.rank),
-        collate_fn=_as_made if hasattr(dataset, "__getitems__") else None,
-    )
-
-
-def _as_made(batch):
-    return batch
-
-
-def image_seed(seed: int, epoch: int, index: int) -> int:
-    """One image's augmentation seed in one epoch: mixed from all three, so no two images or epochs share a stream."""
-    return int(numpy.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, numpy.uint64)[0])
-
-
-class CIFAR10(Dataset):
-    """With a `seed`, image i of epoch e is augmented from its own seed (seed, e, i) (set_epoch(e) first): the
-    same numbers whichever process, worker or resumed run draws it. Without one, from torch's global stream."""
-
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        augment: bool,
-        augmentation: str = "crop_flip",
-        normalization: str = "cifar",
-        seed: int | None = None,
-    ):
-        from torchvision.transforms import v2  # lazy: it imports torch._dynamo (slow)
-
-        self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # read by the loader's workers, persistent too
-        if not augment:
-            steps = []
-        elif augmentation == "course":  # the course script's transform_train, on uint8 tensors
-            steps = [
-                v2.RandomHorizontalFlip(),
-                v2.RandomRotation(10),
-                v2.RandomAffine(0, shear=10, scale=(0.8, 1.2)),
-                v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
-            ]
-        else:
-            steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
-        self.transform = v2.Compose(
-            [*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(*NORMALIZATION[normalization])]
-        )
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch.fill_(epoch)
-
-    def __getitem__(self, index: int):
-        if not self.augment or self.seed is None:
-            return self.transform(self.images[index]), self.labels[index]
-        with torch.random.fork_rng(devices=[]):  # torchvision's transforms draw from the global CPU generator
-            torch.default_generator.manual_seed(image_seed(self.seed, int(self.epoch), int(index)))
-            return self.transform(self.images[index]), self.labels[index]
-
-
-class SkipFirst(Sampler):
-    """A BatchSampler less its first `skip` batches; DeviceBatches' indices go to the device once an epoch."""
-
-    def __init__(self, batches):
-        self.batches, self.skip = batches, 0
-
-    def __iter__(self):
-        device = getattr(self.batches.sampler.dataset, "device", None)
-        remaining = itertools.islice(iter(self.batches), self.skip, None)
-        if device is None:
-            return remaining
-        batches = list(remaining)  # drop_last: all of one size
-        return iter(torch.tensor(batches, device=device) if batches else [])
-
-    def __len__(self) -> int:
-        return len(self.batches) - self.skip
-
-
-def ignore_stop_signal(worker_id: int):
-    """Slurm signals every process of a step; the stop is for the ranks."""
-    import signal
-
-    for stop in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(stop, signal.SIG_IGN)

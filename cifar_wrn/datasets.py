@@ -1,11 +1,17 @@
-"""The on-device pipeline: the uint8 dataset on the device, augmented a batch at a time."""
+"""The datasets the trainers train on, and the recipe's choice of one (data_pipeline): per image, augmented
+by torchvision in the loader (CIFAR10), or the whole split on the device, a batch at a time (DeviceBatches)."""
 
 import math
 
+import numpy
 import torch
 from torch.utils.data import Dataset
 
-from .data import CIFAR10, NORMALIZATION, DataError, load_split
+from .cifar_files import DataError, load_split
+
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+NORMALIZATION = {"cifar": (MEAN, STD), "course": ((0.5,) * 3, (0.5,) * 3)}
 
 
 def load_datasets(source, run) -> tuple[Dataset, Dataset]:
@@ -18,7 +24,7 @@ def load_datasets(source, run) -> tuple[Dataset, Dataset]:
             f"{images} training images over {world_size} processes give less than one batch of "
             f"{recipe.batch_size} per process"
         )
-    _recalibration_images(recipe, images, world_size)
+    recalibration_images(recipe, images, world_size)
     common = dict(normalization=recipe.normalization)
     if recipe.data_pipeline == "device":
         common.update(device=run.device, channels_last=recipe.channels_last)
@@ -28,13 +34,64 @@ def load_datasets(source, run) -> tuple[Dataset, Dataset]:
     return train, CIFAR10(*val_data, augment=False, **common)
 
 
-def _recalibration_images(recipe, images: int, world_size: int) -> int:
+def recalibration_images(recipe, images: int, world_size: int) -> int:
     used = min(recipe.bn_recalibration, images)
     if recipe.bn_recalibration and used < world_size:
         raise DataError(
             f"bn_recalibration={recipe.bn_recalibration}: needs at least one image per process ({world_size})"
         )
     return used
+
+
+def image_seed(seed: int, epoch: int, index: int) -> int:
+    """One image's augmentation seed in one epoch: mixed from all three, so no two images or epochs share a stream."""
+    return int(numpy.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, numpy.uint64)[0])
+
+
+class CIFAR10(Dataset):
+    """With a `seed`, image i of epoch e is augmented from its own seed (seed, e, i) (set_epoch(e) first): the
+    same numbers whichever process, worker or resumed run draws it. Without one, from torch's global stream."""
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        augment: bool,
+        augmentation: str = "crop_flip",
+        normalization: str = "cifar",
+        seed: int | None = None,
+    ):
+        from torchvision.transforms import v2  # lazy: it imports torch._dynamo (slow)
+
+        self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # read by the loader's workers, persistent too
+        if not augment:
+            steps = []
+        elif augmentation == "course":  # the course script's transform_train, on uint8 tensors
+            steps = [
+                v2.RandomHorizontalFlip(),
+                v2.RandomRotation(10),
+                v2.RandomAffine(0, shear=10, scale=(0.8, 1.2)),
+                v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
+            ]
+        else:
+            steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
+        self.transform = v2.Compose(
+            [*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(*NORMALIZATION[normalization])]
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __getitem__(self, index: int):
+        if not self.augment or self.seed is None:
+            return self.transform(self.images[index]), self.labels[index]
+        with torch.random.fork_rng(devices=[]):  # torchvision's transforms draw from the global CPU generator
+            torch.default_generator.manual_seed(image_seed(self.seed, int(self.epoch), int(index)))
+            return self.transform(self.images[index]), self.labels[index]
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -46,21 +103,6 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int 
     crops = padded.gather(2, rows).gather(3, cols)
     flip = torch.rand(n, device=device, generator=generator) < 0.5
     return torch.where(flip[:, None, None, None], crops.flip(3), crops)
-
-
-def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
-    """This rank's unaugmented bn_recalibration batches, as many as every rank's (sync_bn)."""
-    images = _recalibration_images(recipe, len(train_set), world_size)
-    if not images:
-        return []
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
-    per_rank = images // world_size
-    mine = order[:images][rank::world_size][:per_rank]
-    share = DeviceBatches(
-        train_set.images[mine], train_set.labels[mine], device, False, 0, recipe.channels_last, recipe.normalization
-    )
-    size = min(recipe.batch_size, per_rank)
-    return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
 
 
 class DeviceBatches(Dataset):

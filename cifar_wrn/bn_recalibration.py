@@ -1,0 +1,36 @@
+"""BatchNorm statistics re-estimated after an epoch (recipe key bn_recalibration): the same unaugmented images
+each epoch, each rank its share, the result averaged over the ranks."""
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import update_bn
+
+from .datasets import DeviceBatches, recalibration_images
+
+
+def recalibration_batches(train_set, recipe, rank: int, world_size: int, device) -> list:
+    """This rank's unaugmented bn_recalibration batches, as many as every rank's (sync_bn)."""
+    images = recalibration_images(recipe, len(train_set), world_size)
+    if not images:
+        return []
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(recipe.seed))
+    per_rank = images // world_size
+    mine = order[:images][rank::world_size][:per_rank]
+    share = DeviceBatches(
+        train_set.images[mine], train_set.labels[mine], device, False, 0, recipe.channels_last, recipe.normalization
+    )
+    size = min(recipe.batch_size, per_rank)
+    return [share[torch.arange(start, start + size)][0] for start in range(0, per_rank - size + 1, size)]
+
+
+@torch.no_grad()
+def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average):
+    """fork_rng: update_bn's Dropout must not draw from the training's stream."""
+    if not batches:
+        return
+    device = next(network.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.autocast(**autocast):
+        update_bn(batches, network)
+    for module in network.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            average(module.running_mean), average(module.running_var)
