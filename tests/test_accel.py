@@ -218,11 +218,13 @@ def code_characters(path: Path) -> int:
 
 def test_the_training_code_stays_small():
     """The entry points and cifar_wrn/ (the report aside) in non-space characters of code: a comment or a
-    docstring that explains costs nothing, a line that computes costs its characters. At most 92,609, the figure
-    at 8471dfc (86,576 before issue #59's checksums, exact resumes, refusals, start-up stops and elastic restarts);
-    a change that needs more raises it in a commit of its own that says why."""
+    docstring that explains costs nothing, a line that computes costs its characters. At most 96,107: 92,609 at
+    8471dfc (86,576 before issue #59's checksums, exact resumes, refusals, start-up stops and elastic restarts),
+    then issue #61's values and seam (+3,498: cli.Settings and its three parts, trainers.py's two classes and
+    tracker adapters, the import lines of seven more modules); a change that needs more raises it in a commit of
+    its own that says why."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(code_characters(path) for path in files) <= 92_609
+    assert sum(code_characters(path) for path in files) <= 96_107
 
 
 def test_the_size_counts_code_not_what_explains_it(tmp_path):
