@@ -45,7 +45,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # cifar_wrn from this chec
 
 # Can fast.yaml meet the criterion at epoch 3 (0.85 at epochs 2 and 3)? Epoch 2 under the shipped 4-epoch schedule
 # is 0.8267 (10 seeds on one H200); a 3-epoch schedule alone and with lr 0.6, smoothing 0.1 or warmup 0.25 left
-# epoch 2 at 0.825-0.831 (docs/optimizations.md 18). Untried, on top of fast.yaml, seed by seed so that a sweep cut
+# epoch 2 at 0.825-0.831 (docs/optimizations.md 15; docs/record/optimizations.md). Untried, on top of fast.yaml, seed by seed so that a sweep cut
 # short leaves every line with as many seeds: a shorter (0.98) and a longer (0.995) EMA memory, BatchNorm
 # re-estimated on 20000 images, a lower peak (base_lr 0.3), a 1-epoch warmup. tests/test_seeds.py checks each line.
 EPOCH3_LEVERS='

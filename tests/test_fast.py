@@ -312,7 +312,7 @@ def test_recalibration_with_a_collective_per_forward_does_not_hang():
 
 def test_recalibrate_bn_leaves_the_training_random_stream_alone():
     """The re-estimation runs Dropout in training mode; the training's dropout masks must not shift because
-    of it (they did before the fix: run 8 of docs/benchmarks.md left run 7's training after epoch 1)."""
+    of it (they did before the fix: run 8 of docs/record/benchmarks.md left run 7's training after epoch 1)."""
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.Dropout(0.5), torch.nn.BatchNorm2d(3))
     torch.manual_seed(0)
     expected = torch.rand(5)

@@ -515,7 +515,7 @@ def test_bn_lr_scale_is_checked(value):
 
 @pytest.mark.parametrize("key", ["muon", "lookahead_steps", "anneal_epochs", "residual_bn_init", "tta_translate"])
 def test_keys_that_left_the_recipe_are_refused_by_name(key):
-    """An old recipe or --set with a key whose code left the project (docs/optimizations.md, "Where the code
+    """An old recipe or --set with a key whose code left the project (docs/record/optimizations.md, "Where the code
     went") stops with the key named, never silently."""
     with pytest.raises(RecipeError, match=f"unknown recipe key '{key}'"):
         load_recipe("fast", {key: 1})

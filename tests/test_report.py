@@ -1233,7 +1233,7 @@ def test_a_run_length_cap_under_a_constant_schedule_is_no_optimisation(tmp_path)
 
 
 def test_keys_that_left_the_code_are_no_optimisation_at_their_old_defaults(tmp_path):
-    """A log written before a recipe key left the code (docs/optimizations.md, "Where the code went") carries it
+    """A log written before a recipe key left the code (docs/record/optimizations.md, "Where the code went") carries it
     at the value that meant "off": that is no change from the baseline. Turned on, it was one, and is listed."""
     retired = {"muon": False, "muon_lr": 0.24, "anneal_epochs": 0.0, "residual_bn_init": 1.0, "crop_padding": 4}
     old = read_run(baseline_log(tmp_path / "old.jsonl", 1, 2, TWO[:2], epochs=2, **retired))

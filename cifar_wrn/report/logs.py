@@ -102,7 +102,7 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# Keys that left the code (docs/optimizations.md, "Where the code went"), at the values that train as without
+# Keys that left the code (docs/record/optimizations.md, "Where the code went"), at the values that train as without
 # them: older logs carry them.
 RETIRED = {
     "anneal_epochs": 0.0,

@@ -14,7 +14,7 @@ millions (about 1 s of CPU per process), and at exit it collects once more over 
   as after os._exit).
 Neither changes what a program computes, prints or writes; Python promises no time for a collection.
 Measured with bench/process_cost.py (same run with and without this folder, alternating; retired from bench/,
-`git show a467745:bench/process_cost.py`; docs/benchmarks.md, "What a test run costs")."""
+`git show a467745:bench/process_cost.py`; docs/record/benchmarks.md, "What a test run costs")."""
 
 import atexit
 import gc
