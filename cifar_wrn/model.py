@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 COURSE_WIDTH = 160
-COURSE_PARAMETERS = 17_117_754
 # In every checkpoint: one of another network is refused.
 ARCHITECTURE = "course WideResNet: cbrblock, conv_block, AvgPool2d(7)"
 
