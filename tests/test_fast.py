@@ -117,20 +117,24 @@ def test_fast_recipe_file():
     assert fast.nesterov and fast.momentum > 0 and fast.batch_size > load_recipe("baseline").batch_size
 
 
+def two_cpu_processes(trainer: str, *flags):
+    """raw_ddp.py or accel_train.py on 2 CPU processes, the tests' tiny model."""
+    from test_accel import ACCEL_TINY, CONFIGS, accelerate_launch
+
+    if trainer == "raw":
+        return run_raw("--num-gpus", 2, *TINY, *flags)
+    return accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *ACCEL_TINY, *flags)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw", "accel"])
 def test_bf16_flip_tta_without_ema_reports_what_one_process_computes(cifar_dir, tmp_path, trainer):
     """The fast recipe with ema_decay 0: the evaluated network is the trained one, in bf16 with flip TTA. Both
     trainers report the validation of their saved weights as one process computes it (the views averaged in
     fp32: raw_ddp.py once averaged them in bf16, accel_train.py in fp32)."""
-    from test_accel import ACCEL_TINY, CONFIGS, accelerate_launch
-
     flags = [*data_flags(cifar_dir), *FAST_2_EPOCHS, "--epochs", 1, "--set", "ema_decay=0", "--set", "tta_flip=true"]
     flags += ["--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl"]
-    if trainer == "raw":
-        result = run_raw("--num-gpus", 2, *TINY, *flags)
-    else:
-        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *ACCEL_TINY, *flags)
+    result = two_cpu_processes(trainer, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     header, _ = read_log(tmp_path / "log.jsonl")
     assert header["recipe"]["ema_decay"] == 0 and header["recipe"]["precision"] == "bf16"
@@ -146,16 +150,11 @@ def test_fast_recipe_end_to_end_with_every_option(cifar_dir, tmp_path, trainer):
     (helpers.EVERY_OPTION), a checkpoint each epoch: every option reaches the run's recipe (what each does: the
     tests below), and the reported metrics equal a single-process evaluation of the saved (EMA) weights, whose
     BatchNorm statistics are the recalibrated ones."""
-    from test_accel import ACCEL_TINY, CONFIGS, accelerate_launch
-
     from cifar_wrn.recipe import parse_set
 
     flags = [*data_flags(cifar_dir), *FAST_2_EPOCHS, *[a for o in EVERY_OPTION for a in ("--set", o)]]
     flags += ["--save", tmp_path / "w.pt", "--log-json", tmp_path / "log.jsonl", "--checkpoint-dir", tmp_path / "ck"]
-    if trainer == "raw":
-        result = run_raw("--num-gpus", 2, *TINY, *flags)
-    else:
-        result = accelerate_launch(CONFIGS / "two_cpus.yaml", "--cpu", *ACCEL_TINY, *flags)
+    result = two_cpu_processes(trainer, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     header, epochs = read_log(tmp_path / "log.jsonl")
     assert [int(n) for n in EPOCH_LINE.findall(result.stdout)] == [e["epoch"] for e in epochs] == [1, 2]
