@@ -104,7 +104,9 @@ def setup(local_rank: int, settings: Settings, recipe) -> Run:
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
             dynamo_backend="inductor" if recipe.compile else "no",
-            log_with="tensorboard" if settings.logging.tracking_dir else None,  # beyond R1: trackers opened later
+            log_with="tensorboard"
+            if settings.logging.tracking_dir is not None
+            else None,  # beyond R1: trackers opened later
             project_dir=settings.logging.tracking_dir,
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
         )
@@ -113,7 +115,9 @@ def setup(local_rank: int, settings: Settings, recipe) -> Run:
     check_accelerate_launch(accelerator, recipe, settings.cpu_fallback)  # all joined; CPU threads, warnings
     trainer = Accelerated(accelerator)  # its checkpoints, TensorBoard, log fields
     show = show_progress(settings, rank == 0)
-    return Run(recipe, rank, local_rank, world_size, device, trainer, show, settings.model_width, accelerator)
+    return Run(
+        recipe, rank, local_rank, world_size, device, trainer=trainer, show=show, model_width=settings.model_width
+    )
 
 
 # ==== data
@@ -141,9 +145,9 @@ def build_data(settings: Settings, recipe, run: Run) -> Data:
 
 
 # ==== model
-def build_model(settings: Settings, recipe, run: Run) -> None:
+def build_model(recipe, run: Run) -> None:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank
-    raw_model = WideResNet(width=settings.model_width)
+    raw_model = WideResNet(width=run.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)
@@ -159,15 +163,16 @@ def build_model(settings: Settings, recipe, run: Run) -> None:
 # ==== train
 def train_process(local_rank: int, settings: Settings, recipe) -> None:
     run = setup(local_rank, settings, recipe)  # A1.2, A1.3, A1.7
+    checkpoint_dir = settings.checkpoints.directory  # None: no checkpoints
     try:
         run.data = build_data(settings, recipe, run)  # A1.4, A1.5
-        build_model(settings, recipe, run)  # A1.8
+        build_model(recipe, run)  # A1.8
         if (progress := resume(run, settings.checkpoints)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
         watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             watch.start_epoch(progress)
-            loader = run.data.epoch_loader(epoch, progress.step)  # A1.6: set_epoch, and a resume's skip
+            loader = run.trainer.epoch_loader(run.data, epoch, progress.step)  # A1.6: set_epoch, a resume's skip
             correct = train_epoch(settings, recipe, run, loader, progress, watch)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
@@ -179,10 +184,8 @@ def train_process(local_rank: int, settings: Settings, recipe) -> None:
             if run.is_main:  # A1.10 only the main process prints
                 print(epoch_line(metrics), flush=True)  # A1.10
             watch.log_epoch(metrics)
-            if settings.checkpoints.directory:
-                save_checkpoint(
-                    run, progress, settings.checkpoints.directory, done
-                )  # beyond R1: save_state on every rank
+            if checkpoint_dir:
+                save_checkpoint(run, progress, checkpoint_dir, finished=done)  # beyond R1: save_state on every rank
         if run.is_main:  # A1.10
             print(final_line(progress, recipe), flush=True)  # A1.10
         # ==== teardown

@@ -112,8 +112,9 @@ def setup(local_rank: int, settings: Settings, recipe) -> Run:
             backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
     trainer = RawDDP(settings.num_nodes, settings.num_gpus)  # its checkpoints, TensorBoard, log fields
+    show = show_progress(settings, rank == 0)
     return Run(
-        recipe, rank, local_rank, world_size, device, trainer, show_progress(settings, rank == 0), settings.model_width
+        recipe, rank, local_rank, world_size, device, trainer=trainer, show=show, model_width=settings.model_width
     )
 
 
@@ -136,9 +137,9 @@ def build_data(settings: Settings, recipe, run: Run) -> Data:
 
 
 # ==== model
-def build_model(settings: Settings, recipe, run: Run) -> None:
+def build_model(recipe, run: Run) -> None:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank
-    raw_model = WideResNet(width=settings.model_width)
+    raw_model = WideResNet(width=run.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)  # R1.7
@@ -157,9 +158,10 @@ def build_model(settings: Settings, recipe, run: Run) -> None:
 # ==== train
 def train_process(local_rank: int, settings: Settings, recipe) -> None:
     run = setup(local_rank, settings, recipe)  # R1.2, R1.3, R1.7
+    checkpoint_dir = settings.checkpoints.directory  # None: no checkpoints
     try:
         run.data = build_data(settings, recipe, run)  # R1.4, R1.5
-        build_model(settings, recipe, run)  # R1.8
+        build_model(recipe, run)  # R1.8
         if (progress := resume(run, settings.checkpoints)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
         watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
@@ -179,10 +181,8 @@ def train_process(local_rank: int, settings: Settings, recipe) -> None:
             if run.is_main:  # R1.10 only rank 0 prints: one line per epoch, not one per process
                 print(epoch_line(metrics), flush=True)  # R1.10
             watch.log_epoch(metrics)
-            if settings.checkpoints.directory:
-                save_checkpoint(
-                    run, progress, settings.checkpoints.directory, done
-                )  # beyond R1: rank 0 gathers, writes
+            if checkpoint_dir:
+                save_checkpoint(run, progress, checkpoint_dir, finished=done)  # beyond R1: rank 0 gathers, writes
         if run.is_main:  # R1.10
             print(final_line(progress, recipe), flush=True)  # R1.10
         # ==== teardown
@@ -274,6 +274,7 @@ if __name__ == "__main__":
         run_process(settings.torchrun_local_rank, settings, recipe)
         sys.exit(0)
     launcher = Launcher(settings)  # one node, no port: opens the rendezvous store itself; passes stop signals on
+    settings = launcher.settings  # with the store's port
     # R1.11 torch.multiprocessing.spawn: one process per GPU, each runs run_process(local_rank, ...)
     context = mp.spawn(run_process, args=(settings, recipe), nprocs=settings.num_gpus, join=False)  # R1.11
     launcher.wait(context)  # exits as the ranks did

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common import REPO, raw_ddp_command  # bench/common.py
 
-from cifar_wrn.cli import free_port
+from cifar_wrn.launchers import free_port
 from cifar_wrn.runlog import read_log
 
 

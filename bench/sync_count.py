@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.cli import free_port
 from cifar_wrn.datasets import DeviceBatches
 from cifar_wrn.ema import build_ema
 from cifar_wrn.errors import UserError
+from cifar_wrn.launchers import free_port
 from cifar_wrn.loaders import SkipFirst
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr

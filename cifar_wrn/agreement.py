@@ -1,5 +1,6 @@
-"""Collectives that are not course steps (those stay in raw_ddp.py): the ranks agree on errors, stops and
-checkpoints, so a fault on one stops all with one message."""
+"""Collectives that are not course steps (those stay in raw_ddp.py): the ranks agree on errors, stops, training
+counts and where a resume starts, so a fault on one stops all with one message (writing a checkpoint, in each
+trainer's format: trainers.py)."""
 
 import itertools
 import sys

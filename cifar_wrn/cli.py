@@ -5,6 +5,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 from importlib.util import find_spec
+from typing import Literal
 
 import torch
 
@@ -29,7 +30,7 @@ class DataSource:
 @dataclass(frozen=True)
 class Checkpoints:
     directory: str | None = None  # None: no checkpoints
-    resume: str | None = None  # None: start afresh; "required": --resume; "if-any": --auto-resume
+    resume: Literal["required", "if-any"] | None = None  # --resume, --auto-resume; None: start afresh
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Logging:
     notes: tuple = ()  # said by rank 0 as training starts
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     """The command line, resolved once here; the package takes these values, never the argparse namespace."""
 

@@ -5,6 +5,7 @@ import contextlib
 import os
 import signal
 import sys
+from dataclasses import replace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -55,11 +56,11 @@ class Launcher:
     ranks did."""
 
     def __init__(self, settings):
-        """settings: cli.Settings; with no --master-port, its port becomes the store's."""
+        """settings: cli.Settings; self.settings: the same, with the store's port where none was given."""
         self.settings, self.processes = settings, []
         if settings.master_port is None:  # one node: a port the system picks, held from now on (no race for it)
             self.store = dist.TCPStore(settings.master_addr, 0, is_master=True, wait_for_workers=False)
-            settings.master_port = self.store.port
+            self.settings = replace(settings, master_port=self.store.port)
             # as torchrun's agent: the ranks' env:// (raw_ddp.py's R1.3) joins this store as a client
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         for signum in STOP_SIGNALS:

@@ -38,18 +38,6 @@ class Data:
     def generator(self) -> torch.Generator | None:  # the device pipeline's augmentation stream
         return self.train_set.generator if isinstance(self.train_set, DeviceBatches) else None
 
-    def epoch_loader(self, epoch: int, skip: int) -> DataLoader:
-        """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained."""
-        self.train_set.set_epoch(epoch)  # each image's augmentation: (seed, epoch, index)
-        if self.train_sampler is not None:
-            self.train_sampler.set_epoch(epoch)
-            self.train_batches.skip = skip
-            return self.train_loader
-        from accelerate import skip_first_batches
-
-        self.train_loader.set_epoch(epoch)
-        return skip_first_batches(self.train_loader, skip) if skip else self.train_loader
-
     def sizes(self) -> dict:  # what a resume must match
         return dict(train_images=len(self.train_set), val_images=self.val_images, steps_per_epoch=self.steps_per_epoch)
 
@@ -64,7 +52,6 @@ class Run:
     trainer: object  # what differs between the trainers: trainers.RawDDP or trainers.Accelerated
     show: bool = False  # progress bars
     model_width: int = COURSE_WIDTH
-    accelerator: object = None  # accel_train.py's Accelerator, for its own lines
     data: Data | None = None
     model: torch.nn.Module | None = None  # what the loop trains: raw_model in DDP, maybe compiled
     raw_model: torch.nn.Module | None = None  # the WideResNet itself
@@ -73,6 +60,10 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     criterion: torch.nn.Module | None = None
     lr: float = 0.0
+
+    @property
+    def accelerator(self):  # accel_train.py's Accelerator, for its own lines (trainers.Accelerated holds it)
+        return self.trainer.accelerator
 
     @property
     def is_main(self) -> bool:

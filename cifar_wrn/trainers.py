@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .agreement import all_gather
+from .checksums import sealed
 from .launchers import launched_by_torchrun, launcher_name, local_world_size
 from .recipe import as_dict
 from .safe_files import fresh_folder
@@ -38,7 +39,7 @@ class RawDDP:
         every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
         parts = {key: getattr(run, name).state_dict() for key, name in checkpoint.RAW_PARTS.items()}
         state = checkpoint.training_state(run, progress, finished, as_dict(run.recipe), rng=every_rng, **parts)
-        state = checkpoint.sealed(state) if run.is_main else None  # its checksum, checked on resume
+        state = sealed(state) if run.is_main else None  # its checksum, checked on resume
         path = checkpoint.checkpoint_path(directory)
         written = checkpoint.attempt(checkpoint.save_atomic, state, path) if run.is_main else None
         checkpoint.stop_unless_written(all_gather(written), directory)
@@ -99,6 +100,20 @@ class Accelerated:
             leftover = i and main and incomplete or None
             checkpoint.stop_unless_written(all_gather(step and checkpoint.attempt(*step)), directory, leftover)
         return checkpoint.latest_checkpoint(directory)
+
+    @staticmethod
+    def epoch_loader(data, epoch: int, skip: int):
+        """This epoch's batches, reshuffled with seed + epoch, less the `skip` already trained: the prepared loader's
+        set_epoch and skip_first_batches, or (the device pipeline, not prepared) raw_ddp.py's sampler and SkipFirst."""
+        from accelerate import skip_first_batches
+
+        data.train_set.set_epoch(epoch)  # each image's augmentation: (seed, epoch, index)
+        if data.train_sampler is not None:
+            data.train_sampler.set_epoch(epoch)
+            data.train_batches.skip = skip
+            return data.train_loader
+        data.train_loader.set_epoch(epoch)
+        return skip_first_batches(data.train_loader, skip) if skip else data.train_loader
 
     def read(self, directory, required: bool) -> tuple:
         where, saved, problem = checkpoint.read_accel_for_resume(directory, required)

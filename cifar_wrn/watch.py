@@ -15,18 +15,20 @@ from .stopping import Progress
 TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 
 
-def start_training(run, progress: Progress, logging) -> "Watch":
-    """`logging`: cli.Logging."""
+def start_training(run, progress: Progress, log_options) -> "Watch":
+    """`log_options`: cli.Logging."""
     run.recalibration_batches()  # made now: a problem with them stops the run before it trains
     resumed = bool(progress.epoch or progress.step)
     startup = warm_up(run, resumed) if progress.epochs_left(run.recipe) else 0.0
     launch = run.trainer.launch_fields(run)
-    log = open_run_log(run, progress, logging.log_json, logging.recipe_name, **launch, startup_seconds=startup)
-    for note in logging.notes if run.is_main else ():
+    log = open_run_log(run, progress, log_options.log_json, log_options.recipe_name, **launch, startup_seconds=startup)
+    for note in log_options.notes if run.is_main else ():
         print(f"note: {note}", flush=True)
-    watch = Watch(run, log, logging.profile, logging.trace)
-    if logging.tracking_dir and run.is_main:  # TensorBoard events in --project-dir/<the run log's folder>
-        watch.tracker = run.trainer.tracker(run, Path(log.file.name).resolve().parent.name, logging.tracking_dir)
+    watch = Watch(run, log, log_options.profile, log_options.trace)
+    if (
+        log_options.tracking_dir is not None and run.is_main
+    ):  # TensorBoard events in --project-dir/<the run log's folder>
+        watch.tracker = run.trainer.tracker(run, Path(log.file.name).resolve().parent.name, log_options.tracking_dir)
     return watch
 
 

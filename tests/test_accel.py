@@ -46,9 +46,10 @@ import accel_train
 import raw_ddp
 from cifar_wrn.checkpoint import latest_checkpoint, read_training_state
 from cifar_wrn.cifar_files import load_split
-from cifar_wrn.cli import CPU_FALLBACK_WARNING, resolve_accel_launch
+from cifar_wrn.cli import resolve_accel_launch
 from cifar_wrn.datasets import CIFAR10
 from cifar_wrn.errors import UserError
+from cifar_wrn.launchers import CPU_FALLBACK_WARNING
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 

@@ -90,3 +90,65 @@ def test_the_cycle_finder_finds_circles(tmp_path):
         "from cifar_wrn import model, os\nfrom os import path\n"
     )
     assert imported_modules(tmp_path / "m.py", {"progress", "data", "model", "m"}) == {"progress", "data", "model"}
+
+
+def top_level_names(module: Path) -> set[str]:
+    """What `from <module> import NAME` can take: its top-level definitions, assignments and imports."""
+    names = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Try, ast.If)):
+            names |= {a.asname or a.name for n in ast.walk(node) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return names
+
+
+def unresolved_imports(path: Path, root: Path = REPO) -> list[str]:
+    """Each `from cifar_wrn[.x] import NAME` or `import cifar_wrn.x` in `path` whose module or name the package
+    in `root` lacks: a module moved or a name renamed without its users."""
+    package, problems = root / "cifar_wrn", []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "cifar_wrn":
+            where = Path(package.parent, *node.module.split("."))
+            module = where / "__init__.py" if where.is_dir() else where.with_suffix(".py")
+            if not module.is_file():
+                problems.append(f"{path.name}:{node.lineno}: no module {node.module}")
+                continue
+            for alias in node.names:
+                if alias.name not in top_level_names(module) and not (where / f"{alias.name}.py").is_file():
+                    problems.append(f"{path.name}:{node.lineno}: {node.module} has no {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("cifar_wrn."):
+                    where = Path(package.parent, *alias.name.split("."))
+                    if not (where.with_suffix(".py").is_file() or where.is_dir()):
+                        problems.append(f"{path.name}:{node.lineno}: no module {alias.name}")
+    return problems
+
+
+def test_every_import_of_the_package_resolves():
+    """The trainers, course/, bench/ and tests/ (their sitecustomize folders included, whose failed imports Python
+    only prints) import only what the package has; tests that start processes would find it late, or never."""
+    files = [*REPO.glob("*.py"), *(REPO / "course").glob("*.py"), *(REPO / "bench").glob("*.py")]
+    files += [*(REPO / "tests").glob("*.py"), *(REPO / "tests").glob("*/sitecustomize.py")]
+    assert [problem for path in files for problem in unresolved_imports(path)] == []
+
+
+def test_the_import_check_sees_a_moved_module_and_a_renamed_name(tmp_path):
+    (tmp_path / "cifar_wrn").mkdir()
+    (tmp_path / "cifar_wrn" / "__init__.py").write_text("")
+    (tmp_path / "cifar_wrn" / "cli.py").write_text("from .launchers import free_port\n\ndef parse():\n    pass\n")
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from cifar_wrn.cli import parse, free_port, gone\nfrom cifar_wrn import cli, data\nimport cifar_wrn.pipeline\n"
+    )
+    assert unresolved_imports(user, tmp_path) == [
+        "user.py:1: cifar_wrn.cli has no gone",
+        "user.py:2: cifar_wrn has no data",
+        "user.py:3: no module cifar_wrn.pipeline",
+    ]

@@ -55,6 +55,16 @@ def trainer_branches(path: Path) -> list[str]:
     return found
 
 
+def accelerate_imports(path: Path) -> list[str]:
+    """Every import of accelerate: a module that needs it knows which trainer runs it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == "accelerate"]
+    return found
+
+
 def package_modules(but: tuple = ()) -> list[Path]:
     return [p for p in sorted(PACKAGE.glob("*.py")) if p.name not in but]
 
@@ -65,6 +75,13 @@ def test_only_cli_reads_the_command_line():
 
 def test_no_package_module_asks_which_trainer_runs_it():
     assert [branch for path in package_modules() for branch in trainer_branches(path)] == []
+
+
+def test_only_the_modules_of_accelerate_s_side_import_it():
+    """trainers.py (Accelerated), launchers.py (what accelerate launch started), checkpoint.py (reading its
+    random-state files) and cli.py (accel_train.py's flags, resolved)."""
+    sides = ("trainers.py", "launchers.py", "checkpoint.py", "cli.py")
+    assert [found for path in package_modules(but=sides) for found in accelerate_imports(path)] == []
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
@@ -80,5 +97,6 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     )
     assert namespace_reads(module) == ["m.py:1 parameter args", "m.py:2 args.data_dir", "m.py:3 getattr(args, ...)"]
     assert trainer_branches(module) == ["m.py:4 run.accelerator is None", "m.py:6 hasattr(tracker, 'add_scalar')"]
-    module.write_text("def f(*args):\n    return len(args)\n")
+    module.write_text("def f(*args):\n    from accelerate import skip_first_batches\n    return len(args)\n")
+    assert accelerate_imports(module) == ["m.py:2 accelerate"]
     assert namespace_reads(module) == trainer_branches(module) == []

@@ -29,10 +29,11 @@ from helpers import (
 
 import raw_ddp
 from cifar_wrn.cifar_files import load_split
-from cifar_wrn.cli import CPU_FALLBACK_WARNING, check_launch, resolve_raw_launch
+from cifar_wrn.cli import check_launch, resolve_raw_launch
 from cifar_wrn.datasets import CIFAR10
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate, exact_ratios
+from cifar_wrn.launchers import CPU_FALLBACK_WARNING
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 

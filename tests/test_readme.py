@@ -127,7 +127,7 @@ def test_the_readmes_no_gpu_commands_run_as_written(student_folder):
 def test_without_cuda_both_main_commands_train_on_the_cpu_after_the_same_warning(student_folder):
     """The README's 2-GPU command of each trainer, as written, on a machine without CUDA: both train on 2 CPU
     processes after one warning that says so and how long an epoch takes there (accel_train.py refused before)."""
-    from cifar_wrn.cli import CPU_FALLBACK_WARNING
+    from cifar_wrn.launchers import CPU_FALLBACK_WARNING
 
     folder, env = student_folder
     env = dict(env, CUDA_VISIBLE_DEVICES="")  # no GPU, whatever this machine has

@@ -26,7 +26,7 @@ logs and the code give (no date, no absolute path unless given one), so the same
 The modules, one job each:
 
 - logs.py: reading and checking run logs (a resumed run read as one);
-- scaling.py: time to target (runlog.criterion_met, the course's stop rule), speedup, efficiency,
+- scaling.py: time to target (stopping.criterion_met, the course's stop rule), speedup, efficiency,
   Karp-Flatt, Amdahl, and which runs are comparable;
 - sharding.py: shards, padding and gradient bytes per rank;
 - ddp_source.py: the `# R1.<n>` tags and quoted statements of raw_ddp.py;

@@ -16,7 +16,7 @@ STOP_RULE = ("target_accuracy", "patience")
 
 
 def stopping_epoch(accuracies, target, patience) -> int | None:
-    """Index (0-based) of the first epoch at which the trainers stop early (runlog.criterion_met, the course's
+    """Index (0-based) of the first epoch at which the trainers stop early (stopping.criterion_met, the course's
     rule), or None. `target` and `patience`: one value, or one per epoch (the values in force when it was
     logged: a resume may change them, Run.rules)."""
     from ..stopping import criterion_met

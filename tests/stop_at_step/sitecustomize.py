@@ -26,28 +26,28 @@ if os.environ.get("STOP_AT"):
     resilience.StepGuard.check = check_after_a_signal
 
 if os.environ.get("LOADER_WORKERS"):
-    from cifar_wrn import data
+    from cifar_wrn import loaders
 
-    options = data.loader_options
+    options = loaders.loader_options
 
-    def with_workers(recipe, dataset, run):
-        chosen = options(recipe, dataset, run)
-        if recipe.data_pipeline == "dataloader":
+    def with_workers(dataset, run):
+        chosen = options(dataset, run)
+        if run.recipe.data_pipeline == "dataloader":
             chosen.update(num_workers=int(os.environ["LOADER_WORKERS"]), persistent_workers=True)
         return chosen
 
-    data.loader_options = with_workers
+    loaders.loader_options = with_workers
 
 if os.environ.get("SLOW_START"):  # a folder: each rank writes rank-<r> there as it loads the data, then waits 3 s
     import time
 
-    from cifar_wrn import pipeline
+    from cifar_wrn import datasets
 
-    load = pipeline.load_datasets
+    load = datasets.load_datasets
 
-    def slow_load(args, recipe, run):
+    def slow_load(source, run):
         Path(os.environ["SLOW_START"], f"rank-{run.rank}").touch()
         time.sleep(3)
-        return load(args, recipe, run)
+        return load(source, run)
 
-    pipeline.load_datasets = slow_load
+    datasets.load_datasets = slow_load
