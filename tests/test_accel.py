@@ -222,10 +222,11 @@ def test_the_training_code_stays_small():
     docstring that explains costs nothing, a line that computes costs its characters. At most 96,107: 92,609 at
     8471dfc (86,576 before issue #59's checksums, exact resumes, refusals, start-up stops and elastic restarts),
     then issue #61's values and seam (+3,498: cli.Settings and its three parts, trainers.py's two classes and
-    tracker adapters, the import lines of seven more modules); a change that needs more raises it in a commit of
-    its own that says why."""
+    tracker adapters, the import lines of seven more modules; +282: its review's mends, a frozen Settings that
+    Launcher copies, Accelerate's epoch loader in trainers.py, a checkpoint_dir name, keyword Run arguments); a
+    change that needs more raises it in a commit of its own that says why."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(code_characters(path) for path in files) <= 96_107
+    assert sum(code_characters(path) for path in files) <= 96_361
 
 
 def test_the_size_counts_code_not_what_explains_it(tmp_path):
