@@ -167,6 +167,22 @@ def test_the_installed_package_is_whole(installed):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("test_installed")
+def test_the_installed_package_finds_its_recipes_without_the_checkout(installed, tmp_path):
+    """Imported from a folder outside the checkout, the installed copy (not the checkout's) loads both recipes by
+    name."""
+    code = (
+        "import cifar_wrn; from cifar_wrn.recipe import load_recipe; print(cifar_wrn.__file__); "
+        "print(load_recipe('fast').batch_size, load_recipe('baseline').batch_size)"
+    )
+    result = in_folder(["-c", code], tmp_path, installed_env(installed), timeout=120)
+    assert result.returncode == 0, result.stderr
+    where, sizes = result.stdout.splitlines()[-2:]
+    assert where.startswith(str(installed)), where  # the installed copy, not the checkout's
+    assert sizes == "128 32", result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_installed")
 def test_the_installed_commands_run_from_any_folder(installed, tmp_path):
     """python -m raw_ddp (2 CPU processes), accelerate launch -m accel_train (the shipped two_cpus.yaml) and
     python -m cifar_wrn.report (the shipped example notes) from a folder outside the checkout; the report quotes

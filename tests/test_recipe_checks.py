@@ -1,8 +1,6 @@
 """Recipe values no one can mean are refused when the recipe loads, from whatever source (a YAML file, --set, a
 dedicated flag), before any process starts; and the recipes ship inside the package, found without the checkout."""
 
-import os
-import shutil
 import subprocess
 import sys
 from dataclasses import fields
@@ -127,37 +125,3 @@ def test_the_trainer_refuses_a_nan_weight_decay_in_one_line(tmp_path, value):
     assert result.returncode == 2, result.stderr
     assert len(errors) == 1 and names(errors[0], "weight_decay", "nan") and "finite" in errors[0], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-
-
-@pytest.mark.slow  # pip builds and installs the package (tens of seconds), then two Pythons start
-def test_the_installed_package_finds_its_recipes_without_the_checkout(tmp_path):
-    """A non-editable install, imported from a folder outside the checkout, loads both recipes by name. pip builds
-    in the source folder (build/, *.egg-info): a copy of what the build reads, so the checkout stays as it is."""
-    source, target, elsewhere = tmp_path / "source", tmp_path / "site", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    shutil.copytree(REPO / "cifar_wrn", source / "cifar_wrn", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet"]
-        + ["--target", str(target), str(source)],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert install.returncode == 0, install.stdout + install.stderr
-    assert (target / "cifar_wrn" / "recipes" / "fast.yaml").is_file()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(target)
-    code = (
-        "import cifar_wrn; from cifar_wrn.recipe import load_recipe; print(cifar_wrn.__file__); "
-        "print(load_recipe('fast').batch_size, load_recipe('baseline').batch_size)"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    where, sizes = result.stdout.splitlines()
-    assert where.startswith(str(target)), where  # the installed copy, not the checkout's
-    assert sizes == "128 32", result.stdout
