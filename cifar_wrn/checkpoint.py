@@ -232,13 +232,13 @@ def _device_problem(saved_on: str, running_on: str):
         )
 
 
-def training_state(run, progress, finished: bool, recipe: dict, **more) -> dict:
+def training_state(run, progress, finished: bool, **more) -> dict:
     """What both formats hold; `more`: the trainer's own (raw_ddp.py's model, optimizer, scheduler and random
     streams; Accelerate's save_state writes those itself)."""
     return dict(
         progress.as_dict(),
         finished=finished,
-        recipe=recipe,
+        recipe=as_dict(run.recipe),
         world_size=run.world_size,
         model_width=run.model_width,
         architecture=ARCHITECTURE,

@@ -12,7 +12,6 @@ from . import checkpoint
 from .agreement import all_gather
 from .checksums import sealed
 from .launchers import launched_by_torchrun, launcher_name, local_world_size
-from .recipe import as_dict
 from .safe_files import fresh_folder
 
 
@@ -38,7 +37,7 @@ class RawDDP:
         pipeline = None if generator is None else generator.get_state()
         every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
         parts = {key: getattr(run, name).state_dict() for key, name in checkpoint.RAW_PARTS.items()}
-        state = checkpoint.training_state(run, progress, finished, as_dict(run.recipe), rng=every_rng, **parts)
+        state = checkpoint.training_state(run, progress, finished, rng=every_rng, **parts)
         state = sealed(state) if run.is_main else None  # its checksum, checked on resume
         path = checkpoint.checkpoint_path(directory)
         written = checkpoint.attempt(checkpoint.save_atomic, state, path) if run.is_main else None
@@ -87,8 +86,7 @@ class Accelerated:
     def save(self, run, progress, directory, finished: bool) -> str:
         generator = run.data.generator
         pipeline = all_gather(None if generator is None else generator.get_state())
-        recipe = as_dict(run.recipe)
-        state = checkpoint.training_state(run, progress, finished, recipe, pipeline=pipeline, device=run.device.type)
+        state = checkpoint.training_state(run, progress, finished, pipeline=pipeline, device=run.device.type)
         main, incomplete = run.is_main, os.path.join(directory, ".incomplete")
         steps = (
             main and (fresh_folder, incomplete),
