@@ -14,6 +14,7 @@ from glob import glob
 from pathlib import Path
 from urllib.parse import unquote
 
+import pytest
 from helpers import REPO
 
 WORD_BUDGETS = {"README.md": 1_500, "docs/optimizations.md": 3_000, "docs/benchmarks.md": 3_000}
@@ -204,23 +205,13 @@ def report(problems: list[str]) -> str:
 # The repository's own docs.
 
 
-def test_the_docs_stay_within_their_word_budgets():
-    problems = word_budget_problems(REPO)
-    assert not problems, report(problems)
-
-
-def test_each_doc_says_on_its_first_line_who_it_is_for_and_what_it_answers():
-    problems = first_line_problems(REPO)
-    assert not problems, report(problems)
-
-
-def test_every_link_in_the_docs_resolves():
-    problems = link_problems(REPO)
-    assert not problems, report(problems)
-
-
-def test_every_repository_path_the_docs_cite_exists():
-    problems = cited_path_problems(REPO)
+@pytest.mark.parametrize(
+    "check",
+    [word_budget_problems, first_line_problems, link_problems, cited_path_problems],
+    ids=["word budgets", "first line: reader and question", "links resolve", "cited paths exist"],
+)
+def test_the_docs_pass_each_check(check):
+    problems = check(REPO)
     assert not problems, report(problems)
 
 
