@@ -4,14 +4,14 @@ explanations as the student's slots."""
 import json
 
 from .changes import optimisations, recipe_changes
-from .content import Section, Table, Text
+from .content import Section, Table, Text, code, md_text
 from .ddp_source import code_block, code_lines, statement_lines
-from .featured import main_run
+from .featured import featured_group, main_run
 from .logs import Run, full_recipe, is_number
 from .notes import EXPLAIN, slot
-from .scaling import differences, mean_images_per_sec, run_time_to_target
-from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, gradient_bytes, shards
-from .tables import fmt
+from .scaling import differences, mean_images_per_sec, profile_parts, run_time_to_target
+from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, ddp_buckets, gradient_bytes, shards
+from .tables import PROFILE_TITLE, fmt
 
 WALKTHROUGH = "docs/ddp_walkthrough.md"
 
@@ -22,20 +22,21 @@ def _explain(notes: dict, key: str) -> Text:
 
 def topology_item(runs: list[Run]) -> Section:
     layouts = "; ".join(
-        f"`{r.label}` draws {r.num_nodes} node(s) x {r.num_gpus} "
+        f"{code(r.label)} draws {r.num_nodes} node(s) x {r.num_gpus} "
         f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
         + (f"ranks 0-{r.world_size - 1}" if r.world_size > 1 else "rank 0")
-        + f", {r.header['backend']}"
+        + f", {md_text(r.header['backend'])}"
         for r in runs
     )
     text = (
-        "Each run's layout (the diagrams and text topologies are in its section under Runs): "
+        "Each run's layout (its diagram and text topology: report.md's section of the run; the PDF's section "
+        '"Scaling" shows the featured run\'s): '
         + layouts
         + ". In raw_ddp.py, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). "
         + f"The concepts: {WALKTHROUGH}."
     )
-    code = code_lines("R1.2") + code_lines("R1.7") + statement_lines("dist.init_process_group(")
-    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), code_block(code)])
+    quoted = code_lines("R1.2") + code_lines("R1.7") + statement_lines("dist.init_process_group(")
+    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), code_block(quoted)])
 
 
 def _accelerate_row(r: Run, split: str, n: int, b: int | None) -> list:
@@ -115,7 +116,7 @@ def _gradient_row(r: Run, sent: tuple[int, int]) -> list:
         r.header["model_parameters"],
         "bf16" if r.recipe.get("grad_compression") == "bf16" else "fp32",
         f"{sent[0] / MIB:.1f} MiB",
-        f"~{sent[1]}",
+        ddp_buckets(r) or f"~{sent[1]}",
         f"{2 * (r.world_size - 1) / r.world_size * sent[0] / MIB:.1f} MiB",
         measured,
     ]
@@ -126,8 +127,9 @@ def gradient_sync_item(runs: list[Run]) -> Section:
     text = (
         "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
         "Bytes = parameters x 4 (gradients in the parameters' fp32, also under bf16 autocast; half with "
-        f"grad_compression bf16). Buckets: an estimate from DDP's default caps ({FIRST_BUCKET_MB} MiB "
-        f"first, then {BUCKET_CAP_MB} MiB). A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
+        f"grad_compression bf16). Buckets: counted as DDP fills them, whole gradients in reverse order up to its "
+        f"default caps ({FIRST_BUCKET_MB} MiB first, then {BUCKET_CAP_MB} MiB; ~: an estimate, for another model). "
+        "A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
         "The measured cost is --profile's all-reduce estimate (the last batch's backward with and "
         "without synchronisation, times the steps)."
     )
@@ -160,11 +162,13 @@ def aggregation_item(runs: list[Run]) -> Section:
     return Section("D4", "Demonstrate 4: aggregating metrics across ranks", blocks)
 
 
-def scaling_item() -> Section:
-    text = (
-        "The scaling table is above (Scaling), computed only between comparable runs; the time profile "
-        "(with --profile) shows where an epoch's time goes."
+def scaling_item(runs: list[Run]) -> Section:
+    profile = (
+        f'the section "{PROFILE_TITLE}" shows where an epoch\'s time goes'
+        if any(profile_parts(r.epochs) for r in runs)
+        else "a run with --profile adds a time profile, where an epoch's time goes"
     )
+    text = f'The scaling table is in the section "Scaling", computed only between comparable runs; {profile}.'
     return Section("D5", "Demonstrate 5: 1 vs N processes, Amdahl's law and the bottleneck", [Text(text)])
 
 
@@ -194,7 +198,7 @@ def compare_blocks(before: Run, after: Run) -> list:
         [f"before: {before.label}", _recipe_change(before, after), *_measures(before)],
         [f"after: {after.label}", "", *_measures(after)],
     ]
-    title = f"**Before/after** (`--compare {before.path} {after.path}`)"
+    title = f"**Before/after** ({code(f'--compare {before.path} {after.path}')})"
     title += f"; **not like for like: they also differ in {'; '.join(other)}**" if other else ""
     return [Text(title + ":"), Table(head, rows)]
 
@@ -204,9 +208,9 @@ def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Ru
     changes = optimisations(run)
     blocks: list = [
         Text(
-            f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml in what it computes:"
+            f"The recipe keys where {code(run.label)}'s recipe differs from recipes/baseline.yaml in what it computes:"
             if changes
-            else f"None: `{run.label}` trained with the baseline recipe, unchanged."
+            else f"None: {code(run.label)} trained with the baseline recipe, unchanged."
         )
     ]
     if changes:
@@ -217,7 +221,7 @@ def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Ru
         blocks.append(
             Text(
                 "Not optimisations (they set how long the run goes, when it stops or its random seed, not what "
-                "it computes): " + "; ".join(f"{key} {base} -> {used}" for key, base, used in other) + "."
+                "it computes): " + "; ".join(md_text(f"{key} {base} -> {used}") for key, base, used in other) + "."
             )
         )
     for before, after in compare:
@@ -238,8 +242,8 @@ def demonstrate(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) ->
         (topology_item(runs), "topology"),
         (partitioning_item(runs), "partitioning"),
         (gradient_sync_item(runs), "gradient_sync"),
-        (aggregation_item(runs), "aggregation"),
-        (scaling_item(), "scaling"),
+        (aggregation_item(featured_group(runs)[0]), "aggregation"),
+        (scaling_item(runs), "scaling"),
         (optimisations_item(runs, notes, compare), "optimisations"),
     ]
     for section, key in items:
