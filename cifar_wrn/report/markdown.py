@@ -48,10 +48,20 @@ def blocks_markdown(blocks: list) -> list[str]:
     return [line for block in blocks for line in block_lines(block)]
 
 
+def _what(run: Run) -> str:
+    """'docs/x.jsonl: 2 processes on cpu, 1600 training images': the log and what ran, in a few words."""
+    images = run.header.get("train_images")
+    return (
+        f"{md_text(run.path)}: {run.world_size} process{'es' if run.world_size > 1 else ''} on "
+        + md_text(run.header["device"])
+        + (f", {images} training images" if images else "")
+    )
+
+
 def _opening(runs: list[Run], figures: Figures, out_dir: Path) -> list:
     """The title, the runs, the featured one, the figures (or why none), and what is the student's to write."""
     blocks: list = [Text(unmet_text(runs))] if unmet_text(runs) else []
-    blocks += [Text(f"{len(runs)} run(s): " + ", ".join(f"{code(r.label)} ({md_text(r.path)})" for r in runs) + ".")]
+    blocks += [Text(f"{len(runs)} run(s): " + ", ".join(f"{code(r.label)} ({_what(r)})" for r in runs) + ".")]
     if len(runs) > 1:
         blocks += [Text(text) for text in (featured_text(runs), beside_text(runs)) if text]
     if figures.skipped is None:
