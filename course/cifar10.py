@@ -10,7 +10,8 @@ course/cifar10_ddp.py is the same file with the course's eleven DDP steps added,
     python course/cifar10_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --data-dir data
 
 Both stop once validation accuracy reaches --target-accuracy for --patience epochs in a row. Without a GPU,
-cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo; torch 2.8 or newer, for its ReduceOp.AVG).
+cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo, whose ReduceOp.AVG needs torch 2.8: before it,
+the script sums and divides).
 """
 
 import argparse
