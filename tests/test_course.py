@@ -79,6 +79,8 @@ def test_help_leaves_out_the_test_only_flags_which_still_work(path, monkeypatch,
     assert (args.train_subset, args.val_subset, args.model_width) == (8, 4, 4)
     if path == DDP:
         assert "--num-nodes" in help_text and "--node-id" in help_text and "--num-gpus" in help_text
+        # its default port, 29500, is every job's: two 2-GPU jobs on one 4-GPU node would collide there
+        assert "two jobs on one node need two (the course_* jobs give each its own)" in " ".join(help_text.split())
 
 
 def numbers(stdout: str) -> list[tuple[str, str, str]]:
