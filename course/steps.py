@@ -93,7 +93,7 @@ def reduce(rank, world_size, without):
     dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9 the sum, on rank 0 only
     if torch.__version__ < "2.8":  # gloo's AVG came with torch 2.8: before it, the sum divided by the ranks
         dist.all_reduce(accuracy, op=dist.ReduceOp.SUM)  # R1.9
-        accuracy /= world_size
+        accuracy /= world_size  # R1.9
     else:
         dist.all_reduce(accuracy, op=dist.ReduceOp.AVG)  # R1.9 the mean, on every rank
     dist.barrier()  # (only so that the lines below come after every rank's line above)

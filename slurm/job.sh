@@ -73,7 +73,8 @@ check_script() {
 script_setup() {
     local script_help flag
     script_help=$("$PYTHON" "$SCRIPT" --help 2>&1) \
-        || die "'$PYTHON $SCRIPT --help' failed, so the job cannot tell which flags it takes: $(tail -n 1 <<< "$script_help")"
+        || die "'$PYTHON $SCRIPT --help' failed, so the job cannot tell which flags it takes:" \
+            "$(tail -n 1 <<< "$script_help")"
     takes() { [[ $script_help =~ (^|[^[:alnum:]-])$1([^[:alnum:]-]|$) ]]; }
     for flag in --num-nodes --node-id --num-gpus; do
         takes "$flag" || die "SCRIPT=$SCRIPT takes no $flag (its --help does not list it): the job starts it with" \
