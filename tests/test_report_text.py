@@ -13,6 +13,8 @@ import torch
 from helpers import REPO, cpu_env, data_flags, finish, free_port, run, start
 
 from cifar_wrn.report.cli import main
+from cifar_wrn.report.featured import printed_lines
+from cifar_wrn.report.textlog import read_text_run
 
 SINGLE, DDP = REPO / "course" / "cifar10.py", REPO / "course" / "cifar10_ddp.py"
 STEPS = [f"R1.{n}" for n in range(1, 12)]
@@ -101,6 +103,7 @@ def test_a_job_folder_gives_what_the_printed_lines_cannot(tmp_path):
     assert "### 4242" in text and f"Log: `{log}`" in text  # named for its job
     assert f"{log}, line 15: the job restarted and printed epoch 1 again: the later lines count" in text
     assert "| 1 | 30.000 | 30.000 | 3200.0 | 0.4500 | 1.4500 | 0.5500 |  |" in text  # the second start's
+    assert printed_lines(read_text_run(job, [])) == log.read_text().splitlines()[-3:]  # R3's lines: the later ones
 
 
 def test_a_text_log_and_a_json_log_are_reported_together_but_not_compared(tmp_path):

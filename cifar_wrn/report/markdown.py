@@ -73,7 +73,7 @@ def _opening(runs: list[Run], figures: Figures, out_dir: Path) -> list:
 
 
 def steps_section(notes: dict, source: Source) -> Section:
-    if source.tree is None:
+    if source.shipped:
         text = (
             "The line numbers of each `# R1.<n>` tag in the raw_ddp.py next to this report (they move with the code)."
         )

@@ -288,7 +288,7 @@ def _steps(pdf, lay: Layout, content: PdfContent) -> None:
     where = (
         f"Line numbers of the raw_ddp.py this report ships with (commit {content.commit}; the run's log names "
         f"commit {content.run_commit})"
-        if source is None or source.tree is None
+        if source is None or source.shipped
         else f"Line numbers in {name}: each step's # R1.<n> tag, or else the call it names"
     )
     pin = "Each process is pinned to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2."

@@ -61,6 +61,10 @@ class Source:
     missing: dict[str, list[str]] = field(default_factory=dict)  # step -> the parts not found
     tree: ast.Module | None = None  # the student's file parsed; None for the shipped raw_ddp.py
 
+    @property
+    def shipped(self) -> bool:
+        return self.tree is None
+
     def where(self, step: str) -> str:
         lines = self.steps.get(step)
         if not lines:
@@ -70,7 +74,7 @@ class Source:
     def quote(self, steps: tuple, statement: str = "") -> Code:
         """The lines of `steps` as they stand; in raw_ddp.py the whole statement opening with `statement` too
         (its step is then the last of `steps`, quoted by that statement alone)."""
-        if self.tree is None:
+        if self.shipped:
             tagged = steps[:-1] if statement else steps
             lines = [line for step in tagged for line in code_lines(step)]
             return code_block(lines + (statement_lines(statement) if statement else []), self.name)

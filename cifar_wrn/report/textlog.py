@@ -86,7 +86,9 @@ def _banner_line(line: str, facts: dict) -> None:
             facts[key] = found.groups() if key == "world" else found.group(1)
 
 
-def _add_epoch(where: str, record: dict, epochs: dict, restarted: bool, notes: list) -> None:
+def _add_epoch(where: str, record: dict, epochs: dict, restarted: bool, printed: list, notes: list) -> None:
+    """Add an epoch's record; after a job restart, the epochs it prints again replace the earlier ones (and
+    their printed lines)."""
     last = max(epochs, default=0)
     if record["epoch"] <= last:
         if not restarted:
@@ -94,6 +96,8 @@ def _add_epoch(where: str, record: dict, epochs: dict, restarted: bool, notes: l
                 f"{where}: epoch {record['epoch']} after epoch {last} with no job restart between them (every "
                 "rank printing, R1.10? or two runs in one file); one run per file"
             )
+        since = epochs[record["epoch"]]["log_line"]
+        printed[:] = [(n, line) for n, line in printed if n < since]
         for e in [e for e in epochs if e >= record["epoch"]]:
             del epochs[e]
         notes.append(f"{where}: the job restarted and printed epoch {record['epoch']} again: the later lines count")
@@ -104,25 +108,25 @@ def read_lines(path: Path, text: str) -> tuple[dict, list[dict], list[str], list
     """(banner facts, epoch records in order, the printed lines R3 shows, notes) of a text log."""
     facts: dict = {}
     epochs: dict[int, dict] = {}
-    printed: list[str] = []
+    printed: list[tuple[int, str]] = []  # (line number, as printed)
     notes: list[str] = []
     restarted = False
     for number, line in enumerate(text.splitlines(), 1):
         found = EPOCH.search(line)
         if found:
-            record = epoch_record(f"{path}, line {number}", *found.groups())
-            _add_epoch(f"{path}, line {number}", record, epochs, restarted, notes)
-            printed.append(line[found.start() :].rstrip())
+            record = dict(epoch_record(f"{path}, line {number}", *found.groups()), log_line=number)
+            _add_epoch(f"{path}, line {number}", record, epochs, restarted, printed, notes)
+            printed.append((number, line[found.start() :].rstrip()))
             restarted = False
         elif PRINTED.match(line.strip()):
-            printed.append(line.strip())
+            printed.append((number, line.strip()))
         elif JOB_START.match(line):  # a requeued job prints its banner again
             restarted = bool(epochs)
         else:
             _banner_line(line, facts)
     if not epochs:
         raise LogError(f"{path}: not a run log: no epoch line found; expected a JSON log or lines as {SAMPLE}")
-    return facts, [epochs[e] for e in sorted(epochs)], printed, notes
+    return facts, [epochs[e] for e in sorted(epochs)], [line for _, line in printed], notes
 
 
 def hardware(path: Path, text: str) -> str:
