@@ -211,6 +211,65 @@ def test_a_step_removed_from_the_students_file_is_named_in_its_checklist(tmp_pat
     assert item in capsys.readouterr().out
 
 
+STUDENT = """\
+import argparse, os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+
+def main(gpu, args):
+    \"\"\"Nothing here counts: init_process_group( mp.spawn( dist.barrier()\"\"\"
+    args.rank = args.node_id * args.gpus + gpu
+    args.world_size = args.nodes * args.gpus
+    dist.init_process_group("nccl", rank=args.rank, world_size=args.world_size)
+    device = torch.device("cuda", gpu)
+    if gpu == 0:
+        download()
+    dist.barrier()
+    train_sampler = DistributedSampler(train_set)
+    model = DistributedDataParallel(model.to(device), device_ids=[gpu])
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)
+        dist.reduce(images_per_sec, 0)
+        dist.all_reduce(
+            metrics, op=dist.ReduceOp.AVG
+        )
+        if args.rank == 0:
+
+            print("Epoch =", epoch)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-n", "--num-nodes", type=int, dest="nodes")
+    parser.add_argument("--node-id", type=int)
+    parser.add_argument("-g", "--num-gpus", type=int, dest="gpus")
+    torch.multiprocessing.spawn(main, args=(parser.parse_args(),), nprocs=2)
+"""
+FOUND = {  # where each step of STUDENT is: by its call alone
+    "R1.1": [32, 33, 34], "R1.2": [10, 11], "R1.3": [12], "R1.4": [16], "R1.5": [17], "R1.6": [20], "R1.7": [13],
+    "R1.8": [18], "R1.9": [21, 22], "R1.10": [25], "R1.11": [35],
+}  # fmt: skip
+
+
+def test_a_students_own_style_is_found_by_its_calls_and_a_split_call_by_its_first_line(tmp_path):
+    """Another hand than the course's: other names, torch.device("cuda", gpu), a call split over lines (found at
+    its first line, its AVG on the next), a blank line between the rank-0 if and its print; the docstring's
+    mentions are no calls."""
+    mine = tmp_path / "mine.py"
+    mine.write_text(STUDENT)
+    text = report(tmp_path, printed_log(tmp_path / "r.txt", [0.5]), "--world-size", 2, "--source", mine)
+    assert steps_rows(text) == {s: f"{mine}:{','.join(map(str, n))} (by its call, untagged)" for s, n in FOUND.items()}
+    assert "Not found in" not in text and "22: dist.all_reduce(\n23: metrics, op=dist.ReduceOp.AVG\n24: )" in text
+    mine.write_text(STUDENT.replace("dist.barrier()", "pass").replace("op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM"))
+    text = report(tmp_path, printed_log(tmp_path / "r.txt", [0.5]), "--world-size", 2, "--source", mine)
+    assert f"- [ ] R1.4 (download on one process per node, then a barrier): no `barrier(` in {mine}" in text
+    assert f"- [ ] R1.9 (reduce images/sec, all_reduce(AVG) validation): no `all_reduce(..., AVG)` in {mine}" in text
+    assert steps_rows(text)["R1.9"] == f"{mine}:21 (by its call, untagged)"  # the reduce found, the AVG not
+
+
 @pytest.mark.parametrize("case", ["missing", "not python"])
 def test_a_bad_source_gives_one_line(case, tmp_path, capsys):
     source = tmp_path / "mine.py"

@@ -27,10 +27,11 @@ TITLES = {
     "R1.10": "only rank 0 prints",
     "R1.11": "torch.multiprocessing.spawn under __main__",
 }
-# What finds an untagged step: (what the student should see, the pattern on a code line); every part must be found.
+# What finds an untagged step: (what the student should see, the pattern starting on a code line, read with the rest
+# of its statement: (?s) where a call may be split over lines); every part must be found.
 CALLS = {
     "R1.1": [
-        (f"an argparse `{flag}`", rf"add_argument\(.*['\"]{flag}['\"]")
+        (f"an argparse `{flag}`", rf"(?s)add_argument\(.*['\"]{flag}['\"]")
         for flag in ("--num-nodes", "--node-id", "--num-gpus")
     ],
     "R1.2": [
@@ -41,9 +42,14 @@ CALLS = {
     "R1.4": [("`barrier(`", r"\bbarrier\(")],
     "R1.5": [("`DistributedSampler(`", r"\bDistributedSampler\(")],
     "R1.6": [("`<sampler>.set_epoch(epoch)`", r"sampler\w*\.set_epoch\(")],
-    "R1.7": [("`cuda:<local_rank>` or `torch.cuda.set_device(`", r"\bset_device\(|cuda:(\{|%|['\"]\s*\+)")],
+    "R1.7": [
+        ("`cuda:<local_rank>` or `torch.cuda.set_device(`", r"\bset_device\(|cuda:(\{|%|['\"]\s*\+)|['\"]cuda['\"]\s*,")
+    ],
     "R1.8": [("`DistributedDataParallel(` (or `DDP(`)", r"\b(?:DDP|DistributedDataParallel)\(")],
-    "R1.9": [("`dist.reduce(` of images/sec", r"\breduce\("), ("`all_reduce(..., AVG)`", r"\ball_reduce\(.*\bAVG\b")],
+    "R1.9": [
+        ("`dist.reduce(` of images/sec", r"\breduce\("),
+        ("`all_reduce(..., AVG)`", r"(?s)\ball_reduce\(.*\bAVG\b"),
+    ],
     "R1.10": [("`if rank == 0:` before a `print(`", r"\bif\b.*\b(?:global_)?rank\s*==\s*0\b")],
     "R1.11": [("`mp.spawn(`", r"\bspawn\(")],
 }
@@ -82,13 +88,11 @@ class Source:
 
     def _statements(self, numbers: list[int]) -> list[str]:
         """Each code line cited, as the whole simple statement that holds it (a compound one's line alone)."""
-        text = self.path.read_text(encoding="utf-8").splitlines()
-        simple = [n for n in ast.walk(self.tree) if isinstance(n, ast.stmt) and not isinstance(n, COMPOUND)]
+        text, spans = self.path.read_text(encoding="utf-8").splitlines(), statement_spans(self.tree)
         out = []
         for n in (n for n in numbers if not text[n - 1].lstrip().startswith("#")):
-            holding = [s for s in simple if s.lineno <= n <= s.end_lineno]
-            node = min(holding, key=lambda s: s.end_lineno - s.lineno, default=None)
-            out += [f"{m}: {text[m - 1].strip()}" for m in (range(node.lineno, node.end_lineno + 1) if node else [n])]
+            first, last = spans.get(n, (n, n))
+            out += [f"{m}: {text[m - 1].strip()}" for m in range(first, last + 1)]
         return out
 
     def checklist(self) -> list[str]:
@@ -117,8 +121,16 @@ def code_only(text: str, tree: ast.Module) -> list[str]:
     return lines
 
 
-def _found(step: str, pattern: str, code: list[str]) -> list[int]:
-    hits = [n for n, line in enumerate(code, 1) if re.search(pattern, line)]
+def statement_spans(tree: ast.Module) -> dict[int, tuple[int, int]]:
+    """Each line of a simple statement (not an if, for, def, ...) -> the statement's first and last line."""
+    simple = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and not isinstance(n, COMPOUND)]
+    return {n: (s.lineno, s.end_lineno) for s in simple for n in range(s.lineno, s.end_lineno + 1)}
+
+
+def _found(step: str, pattern: str, code: list[str], spans: dict) -> list[int]:
+    """The lines where `pattern` starts, read with the rest of their statement (a call split over lines)."""
+    rest = lambda n: "\n".join(code[n - 1 : spans.get(n, (n, n))[1]])
+    hits = [n for n, line in enumerate(code, 1) if (m := re.search(pattern, rest(n))) and m.start() < len(line)]
     if step == PRINTS_NEXT:
         following = lambda n: next((line for line in code[n:] if line.strip()), "")
         hits = [n for n in hits if "print(" in code[n - 1] + following(n)]
@@ -139,13 +151,13 @@ def read_source(path) -> Source:
         return shipped_source()
     path = Path(path)
     text, tree = _read(path)
-    tagged, code = dict(ddp_steps(path)), code_only(text, tree)
+    tagged, code, spans = dict(ddp_steps(path)), code_only(text, tree), statement_spans(tree)
     source = Source(path, str(path), {}, tree=tree)
     for step, calls in CALLS.items():
         if tagged.get(step):
             source.steps[step] = tagged[step]
             continue
-        found = {what: _found(step, pattern, code) for what, pattern in calls}
+        found = {what: _found(step, pattern, code, spans) for what, pattern in calls}
         lines = sorted({n for hits in found.values() for n in hits})
         if lines:
             source.steps[step] = lines
