@@ -15,7 +15,7 @@ def recipe_changes(run: Run) -> list[tuple[str, str, str]]:
     it holds no recipe."""
     from ..recipe import as_dict, load_recipe
 
-    if "log_format" in run.header:
+    if run.text_log:
         return []
     baseline = as_dict(load_recipe("baseline"))
     used = full_recipe(run.recipe)

@@ -172,7 +172,7 @@ def scaling_item() -> Section:
 
 
 def _recipe_change(before: Run, after: Run) -> str:
-    if "log_format" in before.header or "log_format" in after.header:
+    if before.text_log or after.text_log:
         return "not logged (a text log holds no recipe)"
     old, new = full_recipe(before.recipe), full_recipe(after.recipe)
     keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
@@ -207,7 +207,7 @@ def compare_blocks(before: Run, after: Run) -> list:
 def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) -> Section:
     run = main_run(runs)
     changes = optimisations(run)
-    if "log_format" in run.header:
+    if run.text_log:
         text = f"`{run.label}` is a text log: it holds no recipe, so your changes are yours to name (with --notes)."
     elif changes:
         text = f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml in what it computes:"

@@ -56,10 +56,9 @@ def printed_lines(run: Run) -> list[str]:
     """What rank 0 printed, line for line from the log: each epoch's line and the final line (the trainers'
     own functions, cifar_wrn/runlog.py and stopping.py), or none when the log ends before the run did. A text
     log's lines as they were printed."""
-    from ..runlog import epoch_line
-
-    if "printed_lines" in run.header:
+    if run.text_log:
         return run.header["printed_lines"]
+    from ..runlog import epoch_line
     from ..stopping import final_text
 
     lines = [epoch_line(e) for e in run.epochs]

@@ -51,6 +51,11 @@ class Run:
     notes: list[str] = field(default_factory=list)  # what the reader should know about the log itself
 
     @property
+    def text_log(self) -> bool:
+        """Read from printed lines (textlog.py): no recipe, model or data sizes."""
+        return self.header.get("log_format") == "text"
+
+    @property
     def world_size(self) -> int:
         return self.header["world_size"]
 
