@@ -67,15 +67,13 @@ def where_text(name: str, numbers: list[int]) -> str:
 
 @dataclass
 class Step:
-    """One DDP step of the course (R1.<n>): the lines of raw_ddp.py tagged with it, and the student's why."""
+    """One DDP step of the course (R1.<n>): its lines in the file quoted (raw_ddp.py's tags, or the student's
+    file: student_source.py), and the student's why."""
 
     id: str  # "R1.7"
     lines: list[int]
     why: Slot
-
-    @property
-    def where(self) -> str:
-        return where_text("raw_ddp.py", self.lines)
+    where: str  # 'raw_ddp.py:86,88' (where_text), or that it was not found
 
 
 @dataclass
@@ -93,3 +91,4 @@ class PdfContent:
     resumed: str
     scaling: Section  # its Table, then the Bullets that explain it
     demonstrate: list[Section]
+    source: object = None  # the file quoted (student_source.Source); None: the shipped raw_ddp.py
