@@ -39,14 +39,14 @@ def cumulative_average(network: nn.Module, batches: list) -> list:
     (momentum None: float(num_batches_tracked)): batch k's factor 1 / (k + 1) is the momentum, a host float."""
     layers = [m for m in network.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     momenta, was_training = [m.momentum for m in layers], network.training
-    for module in layers:
-        module.reset_running_stats()
+    for m in layers:
+        m.reset_running_stats()
     network.train()
     for k, batch in enumerate(batches):
-        for module in layers:
-            module.momentum = 1.0 / (k + 1)
+        for m in layers:
+            m.momentum = 1 / (k + 1)
         network(batch)
-    for module, momentum in zip(layers, momenta):
-        module.momentum = momentum
+    for m, momentum in zip(layers, momenta):
+        m.momentum = momentum
     network.train(was_training)
     return layers
