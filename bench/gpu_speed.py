@@ -2,6 +2,7 @@
 
     python bench/gpu_speed.py fast --data-dir data --set batch_size=256     # to the criterion, per epoch: the split,
                                                                             # TFLOP/s, accuracy with and without TTA
+    python bench/gpu_speed.py kernels --data-dir data --set batch_size=256  # top kernels of 10 training steps
     python bench/gpu_speed.py ab --data-dir data --set batch_size=256 --lever 'NAME|--set KEY=VALUE ...' ...
     python bench/gpu_speed.py synthetic DIR                                 # a tiny synthetic CIFAR-10 (dry run)
 
@@ -16,12 +17,13 @@ FLOPs per image: torch.utils.flop_counter.FlopCounterMode over one training step
 x images trained / the epoch's training-step seconds, as a share of the GPU's bf16 dense peak (PEAK_TFLOPS by
 name; another GPU: "peak unknown").
 
-`ab`: first a warm-up run of one short epoch under torch.profiler (the kernel table: top kernels by GPU time, and
-the share of convolutions and matrix products, BatchNorm, elementwise, the optimizer's and EMA's foreach kernels),
-then --repeats rounds; each round runs fast.yaml as shipped, then each --lever ('NAME|raw_ddp.py flags'), 2 epochs
-each; a run that would end past --deadline seconds is not started. The table: each lever's median epoch time and
-spread (min-max) against fast.yaml's. The runs share one process, so after the warm-up no epoch 1 is a cold start
-(cuDNN's choices, compiled kernels and the CUDA context are kept): epoch 2 is the comparison.
+`kernels`: one epoch cut short after --profile-steps SKIP STEPS, those steps under torch.profiler (its own
+process: the profiler's hooks stay out of the timed runs): top kernels by GPU time, and the share of convolutions
+and matrix products, BatchNorm, elementwise work, the optimizer's and EMA's foreach kernels.
+`ab`: --repeats rounds; each runs fast.yaml as shipped, then each --lever ('NAME|raw_ddp.py flags'), 2 epochs a
+run; a run that would end past --deadline seconds is not started. The table: each lever's median epoch time and
+spread (min-max) against fast.yaml's. The runs share one process, so only the first is a cold start (cuDNN's
+choices, compiled kernels and the CUDA context are kept): epoch 2 is the comparison, epoch 1 a median.
 """
 
 import argparse
@@ -48,13 +50,22 @@ from cifar_wrn.recipe import memory_format
 from cifar_wrn.report.scaling import stopping_epoch
 from cifar_wrn.runlog import read_log
 
-PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A30", 165.0))  # bf16 dense, datasheets
+PEAK_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("A30", 165.0),
+)  # bf16 dense, datasheets
 KINDS = (  # (kind, name fragments), the first that matches: BatchNorm before convolution (cudnn::bn_...)
     ("BatchNorm", ("batch_norm", "batchnorm", "bn_fw", "bn_bw", "welford")),
     ("convolution and matmul", ("conv", "gemm", "xmma", "cutlass", "wgrad", "dgrad", "fprop", "addmm", "aten::mm")),
     ("optimizer and EMA (foreach)", ("multi_tensor", "foreach", "lerp")),
     ("fused by torch.compile", ("triton",)),
-    ("elementwise and reductions", ("elementwise", "reduce", "add", "mul", "relu", "threshold", "dropout", "copy")),
+    (
+        "elementwise and reductions",
+        ("elementwise", "reduce", "add", "mul", "relu", "clamp", "threshold", "dropout", "copy"),
+    ),
 )
 PROBE = None  # the run in progress: what the wrapped calls record
 
@@ -240,7 +251,7 @@ def fast(flags: list[str], out: Path) -> str:
 def kernel_table(profiler, top: int = 15) -> str:
     """Top kernels by device time (a CPU: aten operators by self CPU time), and the share of each kind."""
     events = profiler.key_averages()
-    cuda = [e for e in events if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    cuda = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
     rows = [(e.key, e.count, e.self_device_time_total) for e in cuda] or [
         (e.key, e.count, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")
     ]
@@ -268,12 +279,16 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})" if values else "-"
 
 
-def ab(flags, levers: list[str], repeats: int, deadline: float, profile: tuple, out: Path) -> str:
-    started = time.perf_counter()
-    lines, flops, peak = header_lines(flags)
+def kernels(flags, profile: tuple, out: Path) -> str:
+    """One epoch cut short, its steps profile[0] .. sum(profile) - 1 under torch.profiler."""
     probe = Probe(profile=profile)
     train([*flags, "--epochs", "1", "--set", "extra_epochs=0"], out / "kernels.jsonl", probe)
-    print(kernel_table(probe.profiler), flush=True)  # at once: a step cut short keeps it
+    return kernel_table(probe.profiler)
+
+
+def ab(flags, levers: list[str], repeats: int, deadline: float, out: Path) -> str:
+    started = time.perf_counter()
+    lines, flops, peak = header_lines(flags)
     configs = [("fast.yaml", [])] + [(n.strip(), shlex.split(r)) for n, _, r in (x.partition("|") for x in levers)]
     runs, walls = {name: [] for name, _ in configs}, {}
     signal.signal(signal.SIGTERM, stopped)  # the step's time limit: the table of the runs done, then exit
@@ -343,9 +358,9 @@ def synthetic(folder: Path, per_file: int = 64, val: int = 101) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["fast", "ab", "synthetic"])
+    p.add_argument("mode", choices=["fast", "kernels", "ab", "synthetic"])
     p.add_argument("folder", nargs="?", help="synthetic: where to write cifar-10-batches-py/")
-    p.add_argument("--out", default="runs/gpu_speed", help="the runs' JSON logs")
+    p.add_argument("--out", default="runs/gpu_speed", help="the runs' JSON logs and MODE.md, the table")
     p.add_argument("--lever", action="append", default=[], help="ab: 'NAME|raw_ddp.py flags', repeatable")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
@@ -361,9 +376,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     flags = ["--recipe", "fast", *flags]
     if args.mode == "fast":
-        print(fast(flags, out), flush=True)
+        table = fast(flags, out)
+    elif args.mode == "kernels":
+        table = kernels(flags, tuple(args.profile_steps), out)
     else:
-        print(ab(flags, args.lever, args.repeats, args.deadline, tuple(args.profile_steps), out), flush=True)
+        table = ab(flags, args.lever, args.repeats, args.deadline, out)
+    print(table, flush=True)
+    (out / f"{args.mode}.md").write_text(table + "\n")
     return 0
 
 

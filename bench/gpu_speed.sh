@@ -6,19 +6,24 @@
 #      BatchNorm re-estimation and the rest, achieved TFLOP/s and the share of the GPU's bf16 peak (FLOPs per image
 #      from FlopCounterMode), validation accuracy with and without flip TTA on the same weights, the cuDNN flag and
 #      the frames torch.compile compiled inside the clock; this run is the only cold start;
-#   3. ab: a profiled warm-up epoch (the kernel table: top kernels, convolution against BatchNorm, elementwise and
-#      foreach shares), then REPEATS (default 3) interleaved rounds of fast.yaml as shipped and each line of LEVERS,
-#      2 epochs a run: each lever's median epoch time and spread against fast.yaml's (bench/gpu_speed.py ab).
-# Time, estimated (no GPU has run it yet): info 5 s, fast ~35 s, ab ~11 s a run (~80 s a round of 7, torch.compile's
-# first run ~60 s); a run that would end past the deadline is not started and the table says how many ran.
+#   3. kernels: torch.profiler over 10 training steps: top kernels, convolution against BatchNorm, elementwise and
+#      foreach shares (bench/gpu_speed.py kernels);
+#   4. ab: REPEATS (default 3) interleaved rounds of fast.yaml as shipped and each line of LEVERS, 2 epochs a run:
+#      each lever's median epoch time and spread against fast.yaml's (bench/gpu_speed.py ab).
+# Time, estimated (no GPU has run it yet): info 5 s, fast ~35 s, kernels ~15 s, ab ~11 s a run (~80 s a round of 7,
+# torch.compile's first run ~60 s more): 2-3 rounds fit; a run that would end past the deadline is not started, and
+# the table says how many ran of each.
 #
 #   git rev-parse --short HEAD     # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_speed.sh 1a2b3c4 DATA    # there (device run, timeout_s 330), with the data folder (default data)
 #   bash bench/gpu_speed.sh --dry-run       # every step at tiny size on the CPU, synthetic data: a few minutes
 #
-# Everything printed goes to $OUT/session.log (default runs/gpu_speed/). The tables and JSON logs come back as
-# $OUT/logs.tar.gz, refreshed after every step, its paths already under docs/runs/DATE-gpu-speed/: unpack it in the
-# repository root (tar xzf logs.tar.gz). DEADLINE (seconds, default 285) and REPEATS may be set in the environment.
+# Everything printed goes to $OUT/session.log (default runs/gpu_speed/). The tables (fast.md, kernels.md, ab.md),
+# the JSON logs and the session log come back as $OUT/logs.tar.gz, refreshed after every step, its paths already
+# under docs/runs/DATE-gpu-speed/: unpack it in the
+# repository root (tar xzf logs.tar.gz). DEADLINE (seconds, default 285) and REPEATS may be set in the environment,
+# and ONLY, a grep -E pattern of the LEVERS names to run (default all): more levers than a call's minutes hold are
+# split over two calls (ONLY='compile|EMA', then the others), each against its own fast.yaml runs.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -37,7 +42,7 @@ LEVERS=(
 if [ "${1:-}" = --dry-run ]; then
     DRY=1 COMMIT=dry-run DATA=$(mktemp -d)
     SIZE=(--device cpu --model-width 4 --train-subset 160 --val-subset 101 --batch-size 16
-          --set eval_batch_size=101 --set bn_recalibration=64 --profile-steps 3 4)
+          --set eval_batch_size=101 --set bn_recalibration=64)
     # one core, so one thread (raw_ddp.py sizes its threads from its affinity): a tiny model's threads, on a
     # loaded machine, wait on each other many times longer than they compute
     PIN=(taskset -c "$(python3 -c 'import os; print(min(os.sched_getaffinity(0)))')")
@@ -45,7 +50,7 @@ if [ "${1:-}" = --dry-run ]; then
 else
     DRY=0 COMMIT=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} DATA=${2:-data}
     SIZE=(--set batch_size=256)   # one GPU at 256 sees one step of 2 GPUs x 128; BatchNorm then sees 256 images
-    PIN=()
+    PIN=() PROFILE=()
     OUT=${OUT:-runs/gpu_speed}
 fi
 DEADLINE=${DEADLINE:-285}
@@ -56,35 +61,31 @@ RUN=docs/runs/$(date -u +%F)-gpu-speed
 mkdir -p "$STAGE/$RUN"
 exec > >(tee "$OUT/session.log") 2>&1
 
-pack() { tar czf "$OUT/logs.tar.gz" -C "$STAGE" docs; }
-
-# step NAME LIMIT CMD...: CMD with at most LIMIT seconds, never past the deadline; its output also in NAME.md.
-step() {
-    local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
-    shift 2
-    if ((left < 20)); then echo "=== $name: skipped, ${left}s left before the deadline"; return; fi
-    ((limit > left)) && limit=$left
-    echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
-    timeout --kill-after=10 "$limit" "$@" | tee "$STAGE/$RUN/$name.md"
-    echo "=== $name: exit ${PIPESTATUS[0]} after ${SECONDS}s in all"
-    pack   # after every step: whatever happens next, the logs come back
-}
+# shellcheck source=bench/steps.sh
+source bench/steps.sh   # step NAME LIMIT CMD..., pack
 
 echo "commit: $COMMIT   date: $(date -u +%F)   deadline: ${DEADLINE}s   repeats: $REPEATS   dry run: $DRY"
 if ((DRY)); then
     python3 bench/gpu_speed.py synthetic "$DATA" || exit 1
+    PROFILE=(--profile-steps 3 4)
 elif [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
     echo "error: no CIFAR-10 in $DATA/cifar-10-batches-py (README, \"The data\")" >&2
     exit 2
 fi
 step info 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true;
-    python3 -c \"import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())\""
-step fast 60 "${PIN[@]}" python3 bench/gpu_speed.py fast --data-dir "$DATA" "${SIZE[@]}" --out "$STAGE/$RUN/fast"
+    python3 -c \"import torch; v = torch.backends.cudnn.version(); print('torch', torch.__version__, 'cuda',
+    torch.version.cuda, 'cudnn', v)\""
+step fast 60 "${PIN[@]}" python3 bench/gpu_speed.py fast --data-dir "$DATA" "${SIZE[@]}" --out "$STAGE/$RUN"
+step kernels 40 "${PIN[@]}" python3 bench/gpu_speed.py kernels --data-dir "$DATA" "${SIZE[@]}" "${PROFILE[@]}" \
+    --out "$STAGE/$RUN"
 levers=()
-for lever in "${LEVERS[@]}"; do levers+=(--lever "$lever"); done
+for lever in "${LEVERS[@]}"; do
+    grep -qE -- "${ONLY:-.}" <<< "${lever%%|*}" && levers+=(--lever "$lever")
+done
 ab_deadline=$((DEADLINE - SECONDS - 15))   # room for the table and the last tarball
-step ab $((ab_deadline + 10)) "${PIN[@]}" python3 bench/gpu_speed.py ab --data-dir "$DATA" "${SIZE[@]}" --out "$STAGE/$RUN/ab" \
-    --repeats "$REPEATS" --deadline "$ab_deadline" "${levers[@]}"
+step ab $((ab_deadline + 10)) "${PIN[@]}" python3 bench/gpu_speed.py ab --data-dir "$DATA" "${SIZE[@]}" \
+    --out "$STAGE/$RUN" --repeats "$REPEATS" --deadline "$ab_deadline" "${levers[@]}"
+cp "$OUT/session.log" "$STAGE/$RUN/session.log"
 pack
 ((DRY)) && rm -rf "$DATA"
 echo "=== done at t=${SECONDS}s; logs: $OUT/logs.tar.gz (unpack in the repository root: $RUN/)"
