@@ -157,6 +157,7 @@ def build_model(recipe, run: Run) -> None:
         run.raw_model, run.optimizer, run.scheduler
     )  # A1.8
     run.raw_model = run.accelerator.unwrap_model(run.model)  # A1.8
+    torch.backends.cudnn.benchmark = recipe.cudnn_benchmark  # each shape's fastest convolutions, timed once
     torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
 

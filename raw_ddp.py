@@ -152,6 +152,7 @@ def build_model(recipe, run: Run) -> None:
     run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run)
     if recipe.compile:
         run.model = torch.compile(run.model)
+    torch.backends.cudnn.benchmark = recipe.cudnn_benchmark  # each shape's fastest convolutions, timed once
     torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
 

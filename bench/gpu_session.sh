@@ -145,19 +145,8 @@ RUN=docs/runs/gpu-session-$(date -u +%F)
 mkdir -p "$STAGE/$RUN/sweep"
 exec > >(tee "$OUT/session.log") 2>&1
 
-pack() { tar czf "$OUT/logs.tar.gz" -C "$STAGE" docs; }
-
-# step NAME LIMIT CMD...: run CMD with at most LIMIT seconds, and never past the deadline.
-step() {
-    local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
-    shift 2
-    if ((left < 20)); then echo "=== $name: skipped, ${left}s left before the deadline"; return; fi
-    ((limit > left)) && limit=$left
-    echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
-    timeout --kill-after=10 "$limit" "$@"
-    echo "=== $name: exit $? after $((SECONDS))s in all"
-    pack   # after every step: whatever happens next, the logs come back
-}
+# shellcheck source=bench/steps.sh
+source bench/steps.sh   # step NAME LIMIT CMD..., pack
 
 echo "commit: $COMMIT   date: $(date -u +%F)   deadline: ${DEADLINE}s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

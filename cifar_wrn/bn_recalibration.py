@@ -3,7 +3,6 @@ each epoch, each rank its share, the result averaged over the ranks."""
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import update_bn
 
 from .datasets import DeviceBatches, recalibration_images
 
@@ -25,12 +24,29 @@ def recalibration_batches(train_set, recipe, rank: int, world_size: int, device)
 
 @torch.no_grad()
 def recalibrate_bn(network: nn.Module, batches: list, autocast: dict, average):
-    """fork_rng: update_bn's Dropout must not draw from the training's stream."""
+    """fork_rng: the train-mode forwards' Dropout must not draw from the training's stream."""
     if not batches:
         return
     device = next(network.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.autocast(**autocast):
-        update_bn(batches, network)
-    for module in network.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            average(module.running_mean), average(module.running_var)
+        layers = cumulative_average(network, batches)
+    for module in layers:
+        average(module.running_mean), average(module.running_var)
+
+
+def cumulative_average(network: nn.Module, batches: list) -> list:
+    """torch.optim.swa_utils.update_bn's statistics, bit for bit, without its host read per layer and batch
+    (momentum None: float(num_batches_tracked)): batch k's factor 1 / (k + 1) is the momentum, a host float."""
+    layers = [m for m in network.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta, was_training = [m.momentum for m in layers], network.training
+    for m in layers:
+        m.reset_running_stats()
+    network.train()
+    for k, batch in enumerate(batches):
+        for m in layers:
+            m.momentum = 1 / (k + 1)
+        network(batch)
+    for m, momentum in zip(layers, momenta):
+        m.momentum = momentum
+    network.train(was_training)
+    return layers

@@ -213,12 +213,22 @@ def check_launch(args, cuda_device_count: int):
         raise UserError(f"--master-port {port} is already in use on this machine (another run?); pick another port")
 
 
+def refuse_full_run_without_gpu(args, cuda: bool, cpu_asked=False) -> None:
+    """--device auto without CUDA on the full data: hours on the CPU, never started by accident."""
+    if args.device == "auto" and not (cuda or cpu_asked or args.train_subset):
+        raise UserError(
+            "no GPU here: submit the job (README), or train on the CPU with --device cpu (hours on the full data; "
+            "a short run: add --train-subset 2000 --val-subset 1000 --epochs 2)"
+        )
+
+
 @said_by_one()  # under torchrun
 def resolve_raw_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
     """raw_ddp.py's device and ranks, the flags checked (R1.1)."""
     recipe = recipe_from_args(args)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     node_main = os.environ.get("LOCAL_RANK", "0") == "0"
+    refuse_full_run_without_gpu(args, cuda_count > 0)
     if args.device == "auto":
         args.device = "cuda" if cuda_count else "cpu"
         if not cuda_count and node_main:
@@ -252,6 +262,7 @@ def resolve_accel_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
     recipe = recipe_from_args(args)
     cuda = torch.cuda.is_available()
     cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
+    refuse_full_run_without_gpu(args, cuda, args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
     cpu = args.cpu or args.device == "cpu" or cpu_fallback
     # the launch's settings, honoured or refused; 'no' is also the launcher's default: the recipe decides
     notes = []

@@ -10,10 +10,8 @@ import torch
 from .errors import UserError, said_by_one
 from .recipe import slow_bf16_warning
 
-CPU_FALLBACK_WARNING = (  # --device auto without CUDA
-    "warning: CUDA is not available: running on the CPU with the gloo backend (a full-data epoch: about an hour on "
-    "2 cores); for a short run add --device cpu --train-subset 2000 --val-subset 1000 --epochs 2"
-)
+# --device auto without CUDA, on a subset (the full data is refused: cli.refuse_full_run_without_gpu)
+CPU_FALLBACK_WARNING = "warning: CUDA is not available: running on the CPU with the gloo backend"
 
 
 def launched_by_torchrun() -> bool:

@@ -5,12 +5,14 @@ course/cifar10_ddp.py is the same file with the course's eleven DDP steps added,
     python course/cifar10.py --data-dir data
     python course/cifar10_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
 
-    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs; --master-addr is node 0's address
+    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs; --master-addr is node 0's address.
+    # On a disk both nodes share, put the data in data/ first: each node's local rank 0 would download into it.
     python course/cifar10_ddp.py --num-nodes 2 --node-id 0 --num-gpus 4 --master-addr node0 --data-dir data
     python course/cifar10_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --data-dir data
 
 Both stop once validation accuracy reaches --target-accuracy for --patience epochs in a row. Without a GPU,
-cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo; torch 2.8 or newer, for its ReduceOp.AVG).
+cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo, whose ReduceOp.AVG needs torch 2.8: before it,
+the script sums and divides).
 """
 
 import argparse

@@ -5,12 +5,14 @@ course/cifar10_ddp.py is the same file with the course's eleven DDP steps added,
     python course/cifar10.py --data-dir data
     python course/cifar10_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --data-dir data
 
-    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs; --master-addr is node 0's address
+    # 2 nodes x 4 GPUs: the same command on each node, only --node-id differs; --master-addr is node 0's address.
+    # On a disk both nodes share, put the data in data/ first: each node's local rank 0 would download into it.
     python course/cifar10_ddp.py --num-nodes 2 --node-id 0 --num-gpus 4 --master-addr node0 --data-dir data
     python course/cifar10_ddp.py --num-nodes 2 --node-id 1 --num-gpus 4 --master-addr node0 --data-dir data
 
 Both stop once validation accuracy reaches --target-accuracy for --patience epochs in a row. Without a GPU,
-cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo; torch 2.8 or newer, for its ReduceOp.AVG).
+cifar10_ddp.py's --num-gpus is the number of CPU processes (gloo, whose ReduceOp.AVG needs torch 2.8: before it,
+the script sums and divides).
 """
 
 import argparse
@@ -36,7 +38,8 @@ def parse_args():
     parser.add_argument("--node-id", type=int, default=0, help="this machine's index, 0 .. num-nodes-1")  # R1.1
     parser.add_argument("--num-gpus", type=int, default=1, help="processes on this machine, one per GPU")  # R1.1
     parser.add_argument("--master-addr", default="localhost", help="node 0's address (R1.3)")  # R1.3
-    parser.add_argument("--master-port", type=int, default=29500, help="a free TCP port on node 0 (R1.3)")  # R1.3
+    port = "a free TCP port on node 0 (R1.3); two jobs on one node need two (the course_* jobs give each its own)"
+    parser.add_argument("--master-port", type=int, default=29500, help=port)  # R1.3
     parser.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py/ (default ./data)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     parser.add_argument("--epochs", type=int, default=40, help="at most this many epochs (default 40)")
@@ -150,7 +153,11 @@ def main(local_rank, args):  # R1.11 mp.spawn calls it in each process with its 
         # R1.9 all_reduce(AVG): every rank gets the mean of the ranks' numbers. Exact only when every rank holds as
         # many validation images: DistributedSampler pads a short shard with repeats (raw_ddp.py sums, exact always)
         metrics = torch.tensor([train_accuracy, val_loss, val_accuracy], dtype=torch.float64, device=device)  # R1.9
-        dist.all_reduce(metrics, op=dist.ReduceOp.AVG)  # R1.9
+        if backend == "gloo" and torch.__version__ < "2.8":  # R1.9 gloo's AVG came with torch 2.8: SUM, then divide
+            dist.all_reduce(metrics, op=dist.ReduceOp.SUM)  # R1.9
+            metrics /= world_size  # R1.9
+        else:
+            dist.all_reduce(metrics, op=dist.ReduceOp.AVG)  # R1.9
         train_accuracy, val_loss, val_accuracy = metrics.tolist()  # R1.9
         val_accuracies.append(val_accuracy)
 

@@ -91,7 +91,11 @@ def reduce(rank, world_size, without):
     if without:
         return
     dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9 the sum, on rank 0 only
-    dist.all_reduce(accuracy, op=dist.ReduceOp.AVG)  # R1.9 the mean, on every rank
+    if torch.__version__ < "2.8":  # gloo's AVG came with torch 2.8: before it, the sum divided by the ranks
+        dist.all_reduce(accuracy, op=dist.ReduceOp.SUM)  # R1.9
+        accuracy /= world_size  # R1.9
+    else:
+        dist.all_reduce(accuracy, op=dist.ReduceOp.AVG)  # R1.9 the mean, on every rank
     dist.barrier()  # (only so that the lines below come after every rank's line above)
     rate = f"{images_per_sec.item():.1f} " + ("(the sum)" if rank == 0 else "(its own: reduce gives the sum to rank 0)")
     say(rank, f"after: images/sec {rate}, accuracy {accuracy.item():.3f} (the mean)")

@@ -8,6 +8,7 @@
 #   requeue.sh      preemption and requeue: stop signals, checkpoint, scontrol requeue (run_preemptable)
 #
 # Variables read from the environment (all optional), besides those in slurm/site.sh:
+#   SCRIPT         course_*.sbatch: the training script to run (required), from the repository root
 #   DEVICE         cuda (default) or cpu: cpu runs gloo processes on the CPU (tests, laptops)
 #   GPUS_PER_NODE  processes per node (default: the script's GPU count)
 #   RECIPE         recipe name or YAML path (default baseline)

@@ -59,6 +59,41 @@ set_master() {
     export MASTER_ADDR MASTER_PORT
 }
 
+# check_script NAME: the course_* scripts' SCRIPT (NAME: the job script, for the message), before anything is
+# made: set, and a file (a path from the repository root, or an absolute one).
+check_script() {
+    [[ -n ${SCRIPT:-} ]] || die "SCRIPT is not set: name your training script, e.g. SCRIPT=my_cifar10.py sbatch slurm/$1"
+    [[ ( $SCRIPT == /* && -f $SCRIPT ) || ( $SCRIPT != /* && -f $REPO_DIR/$SCRIPT ) ]] \
+        || die "SCRIPT=$SCRIPT: no such file (a path from the repository root, $REPO_DIR, or an absolute one)"
+}
+
+# script_setup: after job_setup, set_master and set_data_dir, for the course_* scripts. Sets SCRIPT_ARGS: the
+# job's shape, and those of the job's other flags that SCRIPT's --help lists; a script that takes
+# --checkpoint-dir and --auto-resume gets preemption_setup's (it is requeued), any other no_checkpoint_setup.
+script_setup() {
+    local script_help flag
+    script_help=$("$PYTHON" "$SCRIPT" --help 2>&1) \
+        || die "'$PYTHON $SCRIPT --help' failed, so the job cannot tell which flags it takes:" \
+            "$(tail -n 1 <<< "$script_help")"
+    takes() { [[ $script_help =~ (^|[^[:alnum:]-])$1([^[:alnum:]-]|$) ]]; }
+    for flag in --num-nodes --node-id --num-gpus; do
+        takes "$flag" || die "SCRIPT=$SCRIPT takes no $flag (its --help does not list it): the job starts it with" \
+            "--num-nodes, --node-id and --num-gpus, as course/cifar10_ddp.py takes them"
+    done
+    SCRIPT_ARGS=(--num-nodes "$NUM_NODES" --node-id 0 --num-gpus "$GPUS_PER_NODE")
+    if takes --master-addr; then SCRIPT_ARGS+=(--master-addr "$MASTER_ADDR"); fi
+    if takes --master-port; then SCRIPT_ARGS+=(--master-port "$MASTER_PORT"); fi
+    if takes --device; then SCRIPT_ARGS+=(--device "$DEVICE"); fi
+    if takes --data-dir; then SCRIPT_ARGS+=(--data-dir "$DATA_DIR"); fi
+    if takes --log-json; then SCRIPT_ARGS+=(--log-json "$RUN_DIR/log.jsonl"); fi
+    if takes --checkpoint-dir && takes --auto-resume; then
+        preemption_setup
+        SCRIPT_ARGS+=("${RESUME_ARGS[@]}")
+    else
+        no_checkpoint_setup
+    fi
+}
+
 # accel_setup: after job_setup, for the accelerate scripts. ACCEL_CONFIG must be set.
 # ACCEL_ARGS (environment): more `accelerate launch` options, split on spaces, e.g. "--mixed_precision no".
 accel_setup() {

@@ -78,6 +78,20 @@ preemption_setup() {
     trap 'on_stop_signal TERM' TERM
 }
 
+# no_checkpoint_setup: preemption_setup for a SCRIPT that cannot checkpoint (course_*.sbatch; job.sh,
+# script_setup). A stop signal is noted, never passed on (SIGUSR1 would end the training with nothing to come back
+# to), and the job is not requeued; scancel's SIGTERM reaches the training from Slurm itself.
+no_checkpoint_setup() {
+    CHECKPOINT_DIR=
+    trap 'no_checkpoint_signal USR1' USR1
+    trap 'no_checkpoint_signal TERM' TERM
+}
+
+no_checkpoint_signal() {
+    echo "=== $(date '+%F %T') job $JOB_ID: SIG$1 received; not passed on, no requeue: $SCRIPT cannot checkpoint" \
+         "(its --help lists no --checkpoint-dir and --auto-resume)" | tee -a "$LOG"
+}
+
 # accel_preemption_setup: preemption_setup for the accel_* scripts; also sets STOP_FILE (to hand to
 # launch_stoppable on every node) and resets it to "run" for this run. It lies in runs/<job id>/
 # for the checkpoint folder's reasons: every node reads it, a requeue keeps it.

@@ -55,6 +55,7 @@ from cifar_wrn.runlog import read_log
 
 TIMEOUT = 240  # seconds per launch; the group is killed after that
 CONFIGS = REPO / "accelerate_configs"
+CPU = ["--device", "cpu"]  # the resolve tests: asked for, as a full-data run without CUDA must be
 
 # The parity data: helpers.write_cifar's synthetic CIFAR, larger, so that 6 epochs learn something measurable.
 PARITY_TRAIN, PARITY_VAL, PARITY_EPOCHS = 640, 301, 6
@@ -275,20 +276,20 @@ def test_the_launch_turns_bf16_and_inductor_on_with_a_note_and_other_values_are_
 ):
     """A launch setting is honoured (a note says so) or refused, never silently replaced by the recipe's."""
     monkeypatch.setenv(variable, asked)
-    settings, recipe = resolve_accel_launch(accel_train.parse_args([]))
+    settings, recipe = resolve_accel_launch(accel_train.parse_args(CPU))
     assert getattr(recipe, key) == launch_value
     assert settings.logging.notes == (
         f"the launch's {variable[11:].lower()} {asked.lower()} overrides the recipe's {key} {recipe_value}",
     )
     monkeypatch.setenv(variable, "no")  # accelerate launch's default: the recipe decides
-    settings, recipe = resolve_accel_launch(accel_train.parse_args(["--set", f"{key}={launch_value}"]))
+    settings, recipe = resolve_accel_launch(accel_train.parse_args([*CPU, "--set", f"{key}={launch_value}"]))
     assert getattr(recipe, key) == launch_value and settings.logging.notes == ()
-    args, recipe = resolve_accel_launch(accel_train.parse_args([]))
+    args, recipe = resolve_accel_launch(accel_train.parse_args(CPU))
     assert getattr(recipe, key) == recipe_value
     for other in ("fp16", "aot_eager") if key == "precision" else ("AOT_EAGER", "CUDAGRAPHS"):
         monkeypatch.setenv(variable, other)
         with pytest.raises(UserError, match=f"the launch asks for {variable[11:].lower()} '{other.lower()}'"):
-            resolve_accel_launch(accel_train.parse_args([]))
+            resolve_accel_launch(accel_train.parse_args(CPU))
 
 
 @pytest.mark.slow
@@ -314,6 +315,13 @@ def test_accelerate_launch_dynamo_backend_is_honoured_or_refused(cifar_dir, tmp_
     ]
 
 
+def test_the_configs_name_raw_ddps_init_method_as_it_is():
+    """accelerate_configs/multi_node.yaml compares its rendezvous with raw_ddp.py's init method: the one it uses."""
+    used = re.findall(r'init_method="(\w+://)"', (REPO / "raw_ddp.py").read_text())
+    named = [m for config in CONFIGS.glob("*.yaml") for m in re.findall(r"raw_ddp\.py's (\w+://)", config.read_text())]
+    assert used == ["env://"] and named and set(named) == set(used), named
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -325,7 +333,7 @@ def test_accelerate_launch_dynamo_backend_is_honoured_or_refused(cifar_dir, tmp_
 def test_bad_flags_are_user_errors(flags, message, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     with pytest.raises(UserError, match=message):
-        resolve_accel_launch(accel_train.parse_args(flags))
+        resolve_accel_launch(accel_train.parse_args([*CPU, *flags]))
 
 
 # ----------------------------------------------------------------------------- 2 CPU processes
@@ -561,7 +569,7 @@ def test_resume_needs_a_checkpoint_dir(tmp_path, monkeypatch):
     """(--resume without a checkpoint is found after the group forms, where every rank agrees: test_agreement.py)"""
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     with pytest.raises(UserError, match="need --checkpoint-dir"):
-        resolve_accel_launch(accel_train.parse_args(["--auto-resume"]))
+        resolve_accel_launch(accel_train.parse_args([*CPU, "--auto-resume"]))
 
 
 @pytest.mark.slow

@@ -7,8 +7,7 @@ import re
 import sys
 
 import pytest
-import torch
-from helpers import EPOCH_LINE, REPO, data_flags, free_port, run
+from helpers import EPOCH_LINE, REPO, cpu_env, data_flags, free_port, pythonpath_with, run
 
 SINGLE, DDP = REPO / "course" / "cifar10.py", REPO / "course" / "cifar10_ddp.py"
 TAG = re.compile(r"# (R1\.(\d+)\b|beyond R1: \w)")
@@ -80,6 +79,8 @@ def test_help_leaves_out_the_test_only_flags_which_still_work(path, monkeypatch,
     assert (args.train_subset, args.val_subset, args.model_width) == (8, 4, 4)
     if path == DDP:
         assert "--num-nodes" in help_text and "--node-id" in help_text and "--num-gpus" in help_text
+        # its default port, 29500, is every job's: two 2-GPU jobs on one 4-GPU node would collide there
+        assert "two jobs on one node need two (the course_* jobs give each its own)" in " ".join(help_text.split())
 
 
 def numbers(stdout: str) -> list[tuple[str, str, str]]:
@@ -92,9 +93,6 @@ def numbers(stdout: str) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.core
-@pytest.mark.skipif(
-    torch.__version__ < "2.8", reason="the course script's CPU run needs gloo's ReduceOp.AVG: torch 2.8"
-)
 def test_the_minimal_ddp_script_prints_raw_ddps_numbers(cifar_dir):
     """The same seed, data and model on 2 gloo processes: course/cifar10_ddp.py and raw_ddp.py --recipe baseline
     print the same training accuracy, validation loss and validation accuracy, epoch by epoch. 256 training
@@ -102,14 +100,38 @@ def test_the_minimal_ddp_script_prints_raw_ddps_numbers(cifar_dir):
     The minimal script averages each rank's means, exact only when every rank holds as many validation images (a
     padded shard counts a repeated image twice); raw_ddp.py sums losses and counts, exact for any split.
     Batch size 32: the course scales the learning rate by the GPUs, raw_ddp.py by global batch / 32; the same here."""
+    course, raw = course_and_raw_ddp(cifar_dir)
+    assert numbers(course.stdout) == numbers(raw.stdout), (course.stdout, raw.stdout)
+    assert len(set(numbers(course.stdout))) == 3  # it learns: the epochs differ
+
+
+def course_and_raw_ddp(cifar_dir, env=None) -> tuple:
+    """course/cifar10_ddp.py (in `env`) and raw_ddp.py, each 3 epochs on 2 gloo processes: their results."""
     same = [*data_flags(cifar_dir, 256, 100), "--model-width", 4, "--epochs", 3, "--seed", 1]
-    course = run([sys.executable, DDP, "--num-gpus", 2, "--master-port", free_port(), *same])
+    course = run([sys.executable, DDP, "--num-gpus", 2, "--master-port", free_port(), *same], env=env)
     raw = run([sys.executable, REPO / "raw_ddp.py", "--num-gpus", 2, "--device", "cpu", "--recipe", "baseline", *same])
     assert course.returncode == 0, course.stderr[-3000:]
     assert raw.returncode == 0, raw.stderr[-3000:]
     assert len(numbers(course.stdout)) == 3, course.stdout
+    return course, raw
+
+
+def gloo_before_2_8_env() -> dict:
+    """cpu_env with tests/gloo_before_2_8/ first on PYTHONPATH: torch 2.7.1's gloo, without ReduceOp.AVG."""
+    env = cpu_env()
+    return {**env, "PYTHONPATH": pythonpath_with(REPO / "tests" / "gloo_before_2_8", REPO, env=env)}
+
+
+@pytest.mark.slow
+def test_before_torch_2_8_the_course_scripts_sum_and_divide_where_gloo_has_no_avg(cifar_dir):
+    """On Falcon's torch 2.7.1 (stood in for by tests/gloo_before_2_8/) gloo has no ReduceOp.AVG: the course
+    script and `course/steps.py reduce` once stopped in its traceback. Their fallback (SUM, then divide) prints
+    raw_ddp.py's numbers still, and the demo its mean."""
+    course, raw = course_and_raw_ddp(cifar_dir, gloo_before_2_8_env())
     assert numbers(course.stdout) == numbers(raw.stdout), (course.stdout, raw.stdout)
-    assert len(set(numbers(course.stdout))) == 3  # it learns: the epochs differ
+    demo = run([sys.executable, REPO / "course" / "steps.py", "reduce"], env=gloo_before_2_8_env())
+    assert demo.returncode == 0 and "Traceback" not in demo.stderr, demo.stderr[-3000:]
+    assert demo.stdout.count("accuracy 0.810 (the mean)") == 2, demo.stdout
 
 
 @pytest.mark.slow

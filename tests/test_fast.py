@@ -1,5 +1,6 @@
 """The fast recipe: the on-device data pipeline and the optional optimisations, on the CPU."""
 
+import collections
 import json
 import sys
 from dataclasses import replace
@@ -334,6 +335,49 @@ def test_recalibrate_bn_leaves_the_training_random_stream_alone():
     assert not torch.equal(net[2].running_var, torch.ones(3))  # it did re-estimate
 
 
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy")  # as tests/host_reads' sitecustomize
+
+
+def counting(read, reads: list):
+    def counted(*args, **kwargs):
+        reads.append(read.__name__)
+        return read(*args, **kwargs)
+
+    return counted
+
+
+def test_recalibrate_bn_equals_update_bn_bit_for_bit_with_no_host_read(monkeypatch):
+    """The re-estimation's statistics are torch.optim.swa_utils.update_bn's, bit for bit (running mean, variance,
+    batch count of each of the WideResNet's 13 BatchNorms, bf16 autocast, Dropout from the same stream), and no
+    tensor's value is read on the host on the way (update_bn read float(num_batches_tracked) per layer and batch)."""
+    from torch.optim.swa_utils import update_bn
+
+    from cifar_wrn.model import WideResNet
+
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 3, 32, 32) * (i + 1) + i for i in range(4)]
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=True)
+    ours, theirs = WideResNet(width=4).eval(), WideResNet(width=4).eval()
+    theirs.load_state_dict(ours.state_dict())
+    with torch.random.fork_rng(), torch.autocast(**autocast):
+        torch.manual_seed(1)
+        update_bn(batches, theirs)
+    reads = []
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), reads))
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        recalibrate_bn(ours, batches, autocast, lambda stat: None)
+    monkeypatch.undo()
+    assert reads == [] and not ours.training
+    layers = [(a, b) for a, b in zip(ours.modules(), theirs.modules()) if isinstance(a, torch.nn.BatchNorm2d)]
+    assert len(layers) == 13 and all(a.momentum == b.momentum == 0.1 for a, b in layers)
+    for a, b in layers:
+        for stat in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(a, stat), getattr(b, stat)), stat
+    assert int(layers[0][0].num_batches_tracked) == 4
+
+
 def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
     """The running statistics become the mean of the batches' own mean and (unbiased) variance, whatever they
     were, and `average` (the entry point's collective) then acts once on each of them."""
@@ -353,23 +397,25 @@ def test_recalibrate_bn_takes_the_batch_statistics_then_the_average():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["raw_ddp.py", "accel_train.py"])
-def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tmp_path, trainer):
+def test_a_timed_epoch_of_the_fast_recipe_reads_back_only_what_it_needs(cifar_dir, tmp_path, trainer):
     """Every read of a tensor's value on the host and every tensor built from host data is counted in each process
-    (tests/host_reads/sitecustomize.py: on a GPU each makes the host wait for the device queue). Inside the
-    training loop of the fast recipe, 2 epochs of 20 steps per rank, only StepGuard's agreements read on steps (by
-    design, at most every 10th step and at an epoch's end: a stop signal must be seen); the rest happens once an
-    epoch, as the loader starts (on the CPU its seed and shuffle are read there, on the host), and the epoch's
-    batch indices go to the device in one copy."""
+    (tests/host_reads/sitecustomize.py: on a GPU each makes the host wait for the device queue) while the clock
+    runs, from the epoch's start to its end: training steps, BatchNorm re-estimation, the loader, the stop guard.
+    Fast recipe, 2 ranks, 2 epochs of 20 steps and 20 re-estimation batches per rank. Per epoch: the loader's
+    start reads its seed and shuffle on the host (CPU tensors: no device wait), and sends the epoch's batch indices
+    to the device in one copy; StepGuard agrees at steps 1 and 2 of the run (before it has timed a step), then
+    every 10th step and at the epoch's end (its interval pinned at the longest, whatever the machine's speed), one
+    .tolist() each. Nothing else: no read per step, none in the re-estimation (update_bn read 13 layers x 20)."""
     from test_accel import CONFIGS, accel_env, accelerate_command
 
     source = (REPO / trainer).read_text().splitlines()
-    first = next(n for n, line in enumerate(source, 1) if line.lstrip().startswith("for step, (images, labels) in"))
-    last = next(n for n, line in enumerate(source, 1) if n > first and line.strip() == "return correct")
+    first = next(n for n, line in enumerate(source, 1) if line.strip() == "watch.start_epoch(progress)")
+    last = next(n for n, line in enumerate(source, 1) if line.strip() == "epoch_time = watch.end_epoch()")
     env = accel_env() if trainer == "accel_train.py" else cpu_env()
     env |= {
         "PYTHONPATH": pythonpath_with(REPO / "tests" / "host_reads", REPO, env=env),
         "HOST_READS_DIR": str(tmp_path),
-        "HOST_READS_LOOP": f"{trainer}:{first}-{last - 1}",
+        "HOST_READS_CLOCK": f"{trainer}:{first}-{last}",
     }
     flags = [*data_flags(cifar_dir), "--model-width", 4, "--recipe", "fast", "--batch-size", 8, "--epochs", 2]
     flags += ["--set", "extra_epochs=0", "--set", "eval_batch_size=64", "--progress", "off"]
@@ -379,18 +425,26 @@ def test_the_fast_training_step_reads_nothing_back_from_the_device(cifar_dir, tm
         command = accelerate_command(CONFIGS / "two_cpus.yaml", "--cpu", *flags)
     result = finish(start(command, env=env), 240)
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = 2 * TRAIN_IMAGES // (2 * 8)  # per rank: 2 epochs of 20
-    ranks = [c for c in (json.loads(p.read_text()) for p in tmp_path.glob("*.json")) if c["step"] or c["other"]]
-    in_step = [c["step"] for c in ranks if any(key.startswith(trainer) for key in c["other"])]
-    assert len(in_step) == 2, ranks  # the two ranks (the launcher never enters the loop)
-    for counts in in_step:
-        guard = {key: n for key, n in counts.items() if key.startswith("cifar_wrn/resilience.py") and "tolist" in key}
-        per_epoch = {key: n for key, n in counts.items() if key not in guard}  # the loader's start, the copy
-        # at most every other step: StepGuard agrees more often when steps are slow (bf16 emulated on AVX2: 2 steps)
-        assert sum(guard.values()) <= steps / 2 and max(per_epoch.values()) == 2, counts  # nothing per step
-        assert [n for key, n in counts.items() if key.startswith("cifar_wrn/loaders.py") and "torch.tensor" in key] == [
-            2
-        ]
+    ranks = [c for c in (json.loads(p.read_text()) for p in tmp_path.glob("*.json")) if c["clock"] or c["other"]]
+    clocks = [c["clock"] for c in ranks if any(key.startswith(trainer) for key in c["other"])]
+    assert len(clocks) == 2, ranks  # the two ranks (the launcher never enters the loop)
+    steps = TRAIN_IMAGES // (2 * 8)  # per rank and epoch
+    untimed = {0, 1}  # the run's first two steps: the guard has timed no step yet
+    agreements = lambda epoch: len(
+        {s for s in range(steps) if (s + 1) % 10 == 0} | {steps - 1} | (untimed if epoch == 0 else set())
+    )
+    expected = {  # per rank, both epochs, by file and kind (lines move)
+        "cifar_wrn/loaders.py tolist": 2,  # DistributedSampler's shuffle (a CPU tensor: no device wait)
+        f"{trainer} item": 2,  # the DataLoader's seed as its iterator starts (a CPU tensor too)
+        "cifar_wrn/loaders.py torch.tensor from host data": 2,  # the epoch's batch indices, one copy
+        "cifar_wrn/resilience.py tolist": agreements(0) + agreements(1),  # 4 + 2
+    }
+    for counts in clocks:
+        by_kind = collections.Counter()
+        for key, n in counts.items():
+            where, kind = key.split(" ", 1)
+            by_kind[f"{where.rsplit(':', 1)[0]} {kind}"] += n
+        assert by_kind == expected, counts
 
 
 @pytest.mark.slow

@@ -1,7 +1,11 @@
 """Pure, single-process tests: the model, data loading and validation, recipes."""
 
+import ast
+import importlib
 import pickle
 import re
+from dataclasses import fields, replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -231,7 +235,7 @@ def test_both_trainers_take_both_cpu_flags():
     assert raw_ddp.parse_args(["--cpu"]).device == "cpu" and raw_ddp.parse_args(["--device", "cpu"]).device == "cpu"
     cpu = lambda *flags: resolve_accel_launch(accel_train.parse_args(list(flags)))[0].cpu
     assert cpu("--device", "cpu") and cpu("--cpu")
-    assert cpu() == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
+    assert cpu("--train-subset", "8") == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
     assert raw_ddp.parse_args([]).device == "auto"
 
 
@@ -569,3 +573,42 @@ def test_the_fused_sgd_update_equals_the_per_tensor_loop():
     for a, b in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # rounding of the update alone
     assert all(not torch.equal(a, b) for a, b in zip(models[0].parameters(), start))  # every parameter moved
+
+
+def recipe_reads(path) -> set[str]:
+    """The Recipe fields a file reads as attributes of a recipe (`recipe.x`, `run.recipe.x`, `r.x`), outside
+    check_recipe (which reads them to refuse bad values, not to act on them)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    checks = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "check_recipe"]
+    skipped = {id(n) for check in checks for n in ast.walk(check)}
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in skipped
+        if (isinstance(node.value, ast.Name) and node.value.id in ("recipe", "r"))
+        or (isinstance(node.value, ast.Attribute) and node.value.attr == "recipe")
+    }
+
+
+def test_every_recipe_key_is_read_by_the_training_code():
+    """A key that no trainer, and no package module but the report's, reads is a key without an effect (bench/
+    sets flags itself, so it does not count): cudnn_benchmark was one from c64c708 on."""
+    files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *sorted((REPO / "cifar_wrn").glob("*.py"))]
+    read = set().union(*map(recipe_reads, files))
+    assert {f.name for f in fields(Recipe)} - read == set()
+
+
+@pytest.mark.parametrize("trainer", ["raw_ddp", "accel_train"])
+@pytest.mark.parametrize("name, autotuned", [("fast", True), ("baseline", False)])
+def test_the_recipe_sets_cudnn_autotuning_as_the_model_is_built(monkeypatch, trainer, name, autotuned):
+    """build_model leaves torch.backends.cudnn.benchmark as the recipe says, whatever it was (the flag can be set
+    and read without CUDA); DDP and Accelerate's prepare() are stood in for: one process, no group."""
+    module = importlib.import_module(trainer)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotuned)
+    monkeypatch.setattr(module, "DDP", lambda model, **options: model, raising=False)
+    accelerator = SimpleNamespace(prepare=lambda *objects: objects, unwrap_model=lambda model: model)
+    recipe = replace(load_recipe(name), compile=False)
+    run = Run(recipe, 0, 0, 1, torch.device("cpu"), SimpleNamespace(accelerator=accelerator), model_width=4)
+    run.data = SimpleNamespace(steps_per_epoch=4)
+    module.build_model(recipe, run)
+    assert torch.backends.cudnn.benchmark is autotuned

@@ -33,7 +33,6 @@ from cifar_wrn.cli import check_launch, resolve_raw_launch
 from cifar_wrn.datasets import CIFAR10
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate, exact_ratios
-from cifar_wrn.launchers import CPU_FALLBACK_WARNING
 from cifar_wrn.model import WideResNet
 from cifar_wrn.runlog import read_log
 
@@ -378,23 +377,21 @@ def test_rank_that_raises_ends_the_run_promptly(rank_1_raises):
 
 @pytest.mark.slow
 def test_first_run_without_data_reads_cleanly(tmp_path):
-    """The README's main command on a machine without the data, a network or CUDA, with nothing silenced
-    (PYTHONWARNINGS unset): one plain line about CUDA, then one error line about the data, printed once for the
-    node (not once per rank), naming the folder, why the download failed and only what a user has (the
-    official archive, CIFAR10_URL for a mirror); exit status 2."""
+    """The README's main command, asked for the CPU (--device auto refuses a full-data run without CUDA: test_refusals),
+    on a machine without the data, a network or CUDA, with nothing silenced (PYTHONWARNINGS unset): one error line
+    about the data, printed once for the node (not once per rank), naming the folder, why the download failed and
+    only what a user has (the official archive, CIFAR10_URL for a mirror); exit status 2."""
     env = cpu_env(CIFAR10_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
     del env["PYTHONWARNINGS"]
-    result = run_raw(
-        "--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--data-dir", tmp_path / "data", env=env, timeout=90
-    )
+    flags = ["--num-nodes", 1, "--node-id", 0, "--num-gpus", 2, "--data-dir", tmp_path / "data", "--device", "cpu"]
+    result = run_raw(*flags, env=env, timeout=90)
     assert result.returncode == 2 and result.stdout == "", result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 2, result.stderr
-    assert lines[0] == CPU_FALLBACK_WARNING
-    assert lines[1].startswith(f"error: ranks 0, 1: node 0: CIFAR-10 is not in {tmp_path / 'data'}/cifar-10-batches-py")
-    assert "extract the official cifar-10-python.tar.gz into" in lines[1] and "CIFAR10_URL" in lines[1]
-    assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in lines[1]
-    assert "shared/" not in lines[1] and "prepare_cifar10" not in lines[1]
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    line = result.stderr.splitlines()[0]
+    assert line.startswith(f"error: ranks 0, 1: node 0: CIFAR-10 is not in {tmp_path / 'data'}/cifar-10-batches-py")
+    assert "extract the official cifar-10-python.tar.gz into" in line and "CIFAR10_URL" in line
+    assert "(this node: download from http://127.0.0.1:9/cifar-10-python.tar.gz failed: " in line
+    assert "shared/" not in line and "prepare_cifar10" not in line
 
 
 @pytest.mark.slow

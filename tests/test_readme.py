@@ -50,6 +50,57 @@ def test_the_readme_names_each_command_of_the_students_path():
     assert the_command(r"^python -m cifar_wrn\.report ")
 
 
+def test_the_first_screen_leads_from_clone_to_pdf_on_falcon():
+    """README's first 40 lines: a numbered checklist of at most 10 steps, from the clone through the Falcon install
+    (with its constraints), the data and the course's sbatch lines for 1 and 2 GPUs (scripts that exist), a profiled
+    run for the bottleneck section, to the report's PDF of the two jobs' train.log files."""
+    first = (REPO / "README.md").read_text().splitlines()[:40]
+    steps = [int(m[1]) for line in first if (m := re.match(r"^(\d+)\. ", line))]
+    assert steps == list(range(1, len(steps) + 1)) and 6 <= len(steps) <= 10, steps
+    text = "\n".join(first)
+    assert re.search(r"^1\. Clone", text, re.M)
+    assert "pip install -c slurm/constraints-falcon.txt -e '.[pdf]'" in text and "PyTorch/2.7.1-" in text
+    for gpus in (1, 2):
+        line = re.search(rf"^ +SCRIPT=(\S+) sbatch (slurm/course_{gpus}gpu\.sbatch)$", text, re.M)
+        assert line and (REPO / line[2]).is_file(), gpus
+    assert re.search(r"EXTRA_ARGS=--profile sbatch (slurm/raw_2gpu\.sbatch)", text)
+    report = re.search(r"^ +(python -m cifar_wrn\.report .*)$", text, re.M)[1]
+    assert re.fullmatch(
+        r"python -m cifar_wrn\.report runs/<1-GPU job>/train\.log runs/<2-GPU job>/train\.log --source (\S+) "
+        r"--out report/ --pdf report/report\.pdf",
+        report,
+    ), report
+
+
+def test_the_success_lines_are_a_real_logs_epochs_as_the_trainer_prints_them():
+    """What success looks like, in the first 40 lines: the epoch lines runlog.epoch_line makes of the log the
+    README names (committed under docs/runs/), and the stop where the criterion was met; nothing typed by hand."""
+    from cifar_wrn.runlog import epoch_line, read_log
+    from cifar_wrn.stopping import criterion_met
+
+    text = "\n".join((REPO / "README.md").read_text().splitlines()[:40])
+    log = REPO / re.search(r"\]\((docs/runs/[^)]+\.jsonl)\)", text)[1]
+    header, epochs = read_log(log)
+    shown = re.findall(r"^(?:Epoch = .*|Early stopping after epoch \d+)$", text, re.M)
+    rule = header["recipe"]
+    accuracies = [e["val_accuracy"] for e in epochs]
+    met = next(n for n in range(1, len(epochs) + 1) if criterion_met(accuracies[:n], 0.85, 2))
+    assert rule["target_accuracy"] == 0.85 and rule["patience"] == 2 and met == len(epochs)
+    assert shown == [*map(epoch_line, epochs), f"Early stopping after epoch {met}"], shown
+    assert header["device"] == "cuda" and header["recipe"]["batch_size"] == 256 and "H200" in text  # as it says
+    assert header["started_at"].startswith("2026-12-04") and "2026-12-04" in text and "--recipe fast" in text
+
+
+def test_every_falcon_install_keeps_the_constraints():
+    """docs/slurm.md: keep -c slurm/constraints-falcon.txt on every install on Falcon (else pip replaces the
+    module's torch); the README's report command is not chained to an install without it."""
+    readme = (REPO / "README.md").read_text()
+    falcon = readme[: readme.index("**Success**")] + readme[readme.index("## On Falcon") :].split("\n## ")[0]
+    installs = re.findall(r"pip install[^`\n]*", falcon)
+    assert installs and all("-c slurm/constraints-falcon.txt" in i for i in installs), installs
+    assert not [c for c in readme_commands() if re.search(r"pip install .*&& python -m cifar_wrn\.report", c)]
+
+
 def test_where_a_run_log_goes(tmp_path, monkeypatch):
     monkeypatch.setenv("RUNS_DIR", str(tmp_path / "runs"))
     assert run_log_path("mine.jsonl", "fast", "1x2") == "mine.jsonl"  # --log-json chooses

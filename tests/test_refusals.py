@@ -12,6 +12,7 @@ import runpy
 import sys
 
 import pytest
+import torch
 from helpers import ACCEL_TINY, REPO, TINY, cpu_env, data_flags, finish, free_port, start
 
 import cifar_wrn.rendezvous
@@ -30,8 +31,9 @@ def clean_launch_environment(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def main_in_this_process(trainer, flags, monkeypatch, capsys) -> tuple[int, str]:
-    """`python <trainer> <flags>` on the CPU, up to where it would start the ranks: (exit status, stderr)."""
+def main_in_this_process(trainer, flags, monkeypatch, capsys, device=True) -> tuple[int, str]:
+    """`python <trainer> <flags>` on the CPU (with the trainer's CPU flag unless not `device`), up to where it would
+    start the ranks: (exit status, stderr)."""
 
     def not_refused(*args, **kwargs):
         raise AssertionError(f"{trainer} {' '.join(map(str, flags))} was not refused: it went on to train")
@@ -39,7 +41,7 @@ def main_in_this_process(trainer, flags, monkeypatch, capsys) -> tuple[int, str]
     clean_launch_environment(monkeypatch)
     monkeypatch.setattr(cifar_wrn.rendezvous, "Launcher", not_refused)
     monkeypatch.setattr(cifar_wrn.resilience, "report_failures", not_refused)
-    monkeypatch.setattr(sys, "argv", [trainer, *DEVICE[trainer], *map(str, flags)])
+    monkeypatch.setattr(sys, "argv", [trainer, *(DEVICE[trainer] if device else []), *map(str, flags)])
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(REPO / trainer), run_name="__main__")
@@ -98,6 +100,46 @@ def test_a_recipe_files_seed_beyond_64_bits_and_its_merge_keys_are_refused(
     status, stderr = main_in_this_process(trainer, ["--recipe", recipe], monkeypatch, capsys)
     assert status == 2 and "Traceback" not in stderr
     assert_one_error_line(stderr, message)
+
+
+FULL_RUN_WITHOUT_GPU = (
+    r"^error: no GPU here: submit the job \(README\), or train on the CPU with --device cpu \(hours on the full "
+    r"data; a short run: add --train-subset 2000 --val-subset 1000 --epochs 2\)$"
+)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_full_data_run_without_a_gpu_stops_before_any_process_saying_what_to_do(trainer, monkeypatch, capsys):
+    """--device auto (the default), no CUDA, the full data: once a warning and hours of training on 2 CPU cores;
+    now one line before any process starts (the stub that stands for the launch fails the test if reached)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status, stderr = main_in_this_process(trainer, ["--data-dir", "data"], monkeypatch, capsys, device=False)
+    assert status == 2 and "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == assert_one_error_line(stderr, FULL_RUN_WITHOUT_GPU)
+
+
+@pytest.mark.parametrize(
+    "trainer, flags, environment",
+    [
+        ("raw_ddp.py", ["--device", "cpu"], {}),
+        ("raw_ddp.py", ["--train-subset", 64], {}),
+        ("accel_train.py", ["--device", "cpu"], {}),
+        ("accel_train.py", ["--cpu"], {}),
+        ("accel_train.py", ["--train-subset", 64], {}),
+        ("accel_train.py", [], {"ACCELERATE_USE_CPU": "1"}),  # the launch asked for the CPU (DEVICE=cpu jobs)
+    ],
+)
+def test_asking_for_the_cpu_or_a_subset_still_starts_without_a_gpu(trainer, flags, environment, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [trainer, "--data-dir", "data", *map(str, flags)])
+    resolve = resolve_raw_launch if trainer == "raw_ddp.py" else resolve_accel_launch
+    module = runpy.run_path(str(REPO / trainer))  # its parse_args, not its __main__
+    settings, _ = resolve(module["parse_args"]())
+    assert settings.data.data_dir == "data"
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

@@ -398,7 +398,9 @@ def bad_inputs(tmp_path):
         "missing": (tmp_path / "nope.jsonl", "no such file"),
         "folder": (tmp_path, "a folder without log.jsonl: give a run log or a run folder that holds one"),
         "binary": (tmp_path / "weights.pt", "not a text file"),
-        "not json": (tmp_path / "notes.txt", "line 1: not JSON"),
+        "not json": (tmp_path / "notes.jsonl", "line 1: not JSON"),
+        # not named .jsonl and not starting with '{': a text log of printed lines (textlog.py), this one cut short
+        "text cut short": (tmp_path / "notes.txt", "notes.txt, line 1: an epoch line without Epoch Time"),
         "no header": (tmp_path / "noheader.jsonl", "no header record"),
         "epoch first": (tmp_path / "epochfirst.jsonl", "line 1: an epoch record before the header"),
         "json list": (tmp_path / "list.json", "line 1: not a JSON object"),
@@ -408,6 +410,7 @@ def bad_inputs(tmp_path):
         "no recipe": (tmp_path / "norecipe.jsonl", "no recipe with target_accuracy and patience"),
     }
     (tmp_path / "weights.pt").write_bytes(b"\x80\x02\xff\xfe" * 100)
+    (tmp_path / "notes.jsonl").write_text("Epoch =  1: Cumulative Time = 1.0\n")
     (tmp_path / "notes.txt").write_text("Epoch =  1: Cumulative Time = 1.0\n")
     (tmp_path / "noheader.jsonl").write_text(json.dumps({"loss": 1.0}) + "\n")
     (tmp_path / "epochfirst.jsonl").write_text(json.dumps({"kind": "epoch", "epoch": 1}) + "\n")

@@ -1,6 +1,7 @@
 """Seeds as a measurement: bench/time_to_target.py's --summary on synthetic JSON logs and its --seeds plans,
-bench/sync_count.py's smoke run on the CPU, and the lever lines of bench/gpu_session.sh (the GPU session relies on
-all of them). Each runs as a user runs it, `python bench/NAME.py` (the tests import nothing from bench/)."""
+bench/sync_count.py's smoke run on the CPU, the lever lines of bench/gpu_session.sh and bench/gpu_speed.sh, and
+the latter's dry run (the GPU sessions rely on all of them). Each runs as a user runs it, `python bench/NAME.py`
+(the tests import nothing from bench/)."""
 
 import json
 import re
@@ -202,3 +203,51 @@ def test_every_lever_line_of_the_gpu_session_is_a_valid_recipe():
     assert len(lines) >= 10 and all(any(w.startswith("seed=") for w in words) for words in lines)
     for words in lines:
         load_recipe("fast", {**parse_set(words), "batch_size": "256"})  # raises RecipeError on a bad line
+
+
+def gpu_speed_levers() -> list[tuple[str, list[str]]]:
+    """bench/gpu_speed.sh's LEVERS: (name, raw_ddp.py flags) per line."""
+    script = (REPO / "bench" / "gpu_speed.sh").read_text()
+    lines = re.findall(r'^    "([^"|]+)\|([^"]*)"$', re.search(r"^LEVERS=\(\n(.*?)^\)$", script, re.S | re.M)[1], re.M)
+    return [(name, flags.split()) for name, flags in lines]
+
+
+def test_every_lever_of_the_gpu_speed_script_is_a_valid_recipe():
+    """A bad key in bench/gpu_speed.sh's LEVERS would cost a run of a GPU lent for minutes."""
+    from cifar_wrn.recipe import load_recipe, parse_set
+
+    levers = gpu_speed_levers()
+    assert len(levers) >= 6 and len({name for name, _ in levers}) == len(levers)
+    for name, flags in levers:
+        assert flags[::2] == ["--set"] * (len(flags) // 2), name
+        load_recipe("fast", {**parse_set(flags[1::2]), "batch_size": "256"})  # raises RecipeError on a bad line
+
+
+@pytest.mark.slow
+def test_the_gpu_speed_dry_run_prints_every_table(tmp_path):
+    """`bash bench/gpu_speed.sh --dry-run`: every step at tiny size on the CPU. It prints the FLOPs per image and the
+    bf16 peak (unknown on a CPU), the cuDNN flag, fast.yaml per epoch (the split, TFLOP/s, accuracy with and without
+    flip TTA, compiled frames) and its criterion both ways, the kernel table and its shares, and the A/B table with
+    a row per lever, each run at least once; the flags and re-estimation column show each lever's effect; the logs
+    come back as one tarball under docs/runs/DATE-gpu-speed/."""
+    import tarfile
+
+    result = run(["bash", "bench/gpu_speed.sh", "--dry-run"], timeout=540, env=cpu_env(OUT=tmp_path))
+    out = result.stdout
+    assert result.returncode == 0 and "=== done at" in out, (out + result.stderr)[-4000:]
+    assert "FLOPs per image (FlopCounterMode): forward " in out and "peak: peak unknown" in out
+    assert "cuDNN autotuning (torch.backends.cudnn.benchmark) as the clock starts: True" in out
+    epochs = table_rows(out, "| epoch | epoch s | training steps s | re-estimation s |")
+    assert [row[0] for row in epochs] == ["1", "2", "3", "4"] and all(float(row[8]) >= 0 for row in epochs), epochs
+    assert "criterion with flip TTA: " in out and "criterion without TTA: " in out
+    kernels, kinds = table_rows(out, "| kernel | calls | ms | share | kind |"), table_rows(out, "| kind | ms | share |")
+    assert len(kernels) == 15 and {"convolution and matmul", "BatchNorm"} <= {row[0] for row in kinds}, kinds
+    rows = {row[0]: row for row in table_rows(out, "| lever | runs | epoch 2 s | vs fast.yaml |")}
+    assert list(rows) == ["fast.yaml", *(name for name, _ in gpu_speed_levers())], rows
+    assert all(int(row[1]) >= 1 for row in rows.values()), rows
+    assert rows["fast.yaml"][9] == "True" and rows["cudnn_benchmark off"][9] == "False", rows
+    assert rows["no BatchNorm re-estimation"][6].startswith("0.000 ") and float(rows["fast.yaml"][6].split()[0]) > 0
+    with tarfile.open(tmp_path / "logs.tar.gz") as logs:
+        names = logs.getnames()
+    files = {re.sub(r"\d{4}-\d\d-\d\d", "DATE", n).removeprefix("docs/runs/DATE-gpu-speed/") for n in names}
+    assert {"fast.md", "kernels.md", "ab.md", "session.log", "fast.jsonl", "ab.json"} <= files, names

@@ -70,6 +70,7 @@ SCRIPT_KNOBS = {
     "CHECKPOINT_DIR",
     "MAX_REQUEUES",
     "TMPDIR",
+    "SCRIPT",
 }
 
 
@@ -701,6 +702,81 @@ def test_submitting_from_elsewhere_says_how(cluster, tmp_path):
     job = sbatch(cluster, tmp_path, SLURM / "raw_2gpu.sbatch", cwd=tmp_path, timeout=60)
     assert job.state == "FAILED" and job.exit_status == 2, job.describe()
     assert "submit from the repository root" in job.output, job.describe()
+
+
+# The course jobs: a student's own script (SCRIPT), course/cifar10_ddp.py here. 3 epochs the tiny model cannot stop
+# early (patience 4), 4 steps each on 2 ranks.
+COURSE_TINY = "--model-width 4 --train-subset 256 --val-subset 100 --epochs 3 --patience 4"
+
+
+def course_job(cluster, tmp_path, cifar_dir, name, script, extra_args=COURSE_TINY, **options) -> Job:
+    """slurm/<name>.sbatch submitted with SCRIPT=script; the ranks import this checkout's cifar_wrn."""
+    return sbatch(
+        cluster, tmp_path, SLURM / f"{name}.sbatch", DATA_SRC=cifar_dir, EXTRA_ARGS=extra_args, SCRIPT=script,
+        PYTHONPATH=REPO, **options,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_course_job_runs_the_students_script_and_a_sigusr1_does_not_end_it(cluster, tmp_path, cifar_dir):
+    """SCRIPT=course/cifar10_ddp.py sbatch slurm/course_2gpu.sbatch: the script gets the job's shape, its own port
+    (the job's, not the script's default 29500) and the node's copy of the data; what it prints lands in
+    runs/<job id>/train.log. It cannot checkpoint, so a SIGUSR1 after its first epoch is noted, not passed on (it
+    would end the training), and the job is not requeued: it trains its 3 epochs and completes."""
+
+    def signal_it(job):
+        wait_for(job.run_dir / "train.log", "the first epoch line", job, text="Epoch =  1:")
+        preempt(job)
+
+    job = course_job(cluster, tmp_path, cifar_dir, "course_2gpu", "course/cifar10_ddp.py", during=signal_it)
+    assert job.state == "COMPLETED" and job.exit_status == 0 and job.restarts == 0, job.describe()
+    log, port = job.log, 10000 + int(job.job_id) % 20000
+    assert "world size: 2 = 1 node(s) x 2 process(es)" in log and f"rendezvous: node1:{port}" in log, log
+    command = f"+ {sys.executable} course/cifar10_ddp.py --num-nodes 1 --node-id 0 --num-gpus 2 --master-addr node1 "
+    assert re.search(re.escape(command) + rf"--master-port {port} --data-dir \S+/cifar10 {COURSE_TINY}$", log, re.M)
+    assert [int(m[1]) for m in EPOCH_LINE.finditer(log)] == [1, 2, 3], log  # rank 0's lines, once each
+    assert all(m[0] in job.output for m in EPOCH_LINE.finditer(log))
+    assert "SIGUSR1 received; not passed on, no requeue: course/cifar10_ddp.py cannot checkpoint" in log, log
+    assert log.index("Epoch =  1:") < log.index("SIGUSR1 received") and f"job {job.job_id} finished" in log
+    assert re.match(r"--- GPU topology of node[12] ", (job.run_dir / "topology.txt").read_text())
+    assert not job.leftovers
+
+
+@pytest.mark.slow
+def test_a_course_job_requeues_a_script_that_checkpoints(cluster, tmp_path, cifar_dir):
+    """A script whose --help lists --checkpoint-dir and --auto-resume (raw_ddp.py here) gets them, --device and
+    --log-json too: a SIGUSR1 checkpoints it, the job requeues, and the requeued run resumes and finishes."""
+
+    def stop(job):
+        wait_for(job.run_dir / "log.jsonl", "the first epoch", job, text='"kind": "epoch"')
+        preempt(job)
+
+    job = course_job(cluster, tmp_path, cifar_dir, "course_1gpu", "raw_ddp.py", PREEMPT_TINY, during=stop)
+    check_requeued_and_resumed(job, steps_per_epoch=80)
+    assert "--device cpu --data-dir " in job.log and f"--checkpoint-dir {job.run_dir / 'checkpoints'}" in job.log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, message",
+    [
+        ("", r"SCRIPT is not set: name your training script, e\.g\. SCRIPT=my_cifar10\.py sbatch slurm/course_2gpu"),
+        (
+            "my_cifar10.py",
+            r"SCRIPT=my_cifar10\.py: no such file \(a path from the repository root, \S+, or an absolute",
+        ),
+        ("course/cifar10.py", r"SCRIPT=course/cifar10\.py takes no --num-nodes \(its --help does not list it\)"),
+    ],
+    ids=["unset", "missing", "single-GPU script"],
+)
+def test_a_course_job_without_a_script_it_can_run_says_so_in_one_line(cluster, tmp_path, script, message):
+    job = sbatch(cluster, tmp_path, SLURM / "course_2gpu.sbatch", timeout=90, SCRIPT=script, PYTHONPATH=REPO)
+    assert job.state == "FAILED" and job.exit_status == 2, job.describe()
+    errors = [line for line in job.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.match("error: " + message, errors[0]), job.describe()
+    assert "Traceback" not in job.output, job.describe()
+    if script != "course/cifar10.py":  # refused before the run folder is made
+        assert not job.run_dir.exists(), job.describe()
 
 
 # ============================================================================ preemption and requeue

@@ -46,6 +46,21 @@ def test_the_tutorial_runs_each_step_with_and_without_it():
     assert all(f"R1.{n}" in DOC.read_text() for n in range(1, 12))
 
 
+def test_r1_4_shows_the_torchvision_form_and_what_one_download_per_node_assumes():
+    """The step as students write it (torchvision's CIFAR10 with download=True on local rank 0, the barrier, then
+    every rank opens it), and the truth about disks: one download per node is the course's rule, and on a disk
+    the nodes share (Falcon's) two nodes would still download into one folder."""
+    section = DOC.read_text().split("## R1.4")[1].split("\n## ")[0]
+    form = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "torchvision" in b]
+    assert len(form) == 1, section
+    first, download, barrier, opened = form[0].splitlines()
+    assert "if local_rank == 0:" in first and "torchvision.datasets.CIFAR10(args.data_dir, download=True)" in download
+    assert "dist.barrier()" in barrier and "CIFAR10(args.data_dir, train=True" in opened and "download" not in opened
+    for doc in (DOC, REPO / "docs" / "ddp_walkthrough.md", REPO / "docs" / "design-notes.md"):
+        text = " ".join(doc.read_text().split())
+        assert "may not share a disk" not in text and "download into one folder at once" in text, doc.name
+
+
 def test_the_rank_check_sees_a_changed_line():
     shown = "[rank 0] a\n[rank 1] b\n[rank 0] c\n"
     assert by_rank("[rank 1] b\n[rank 0] a\n[rank 0] c\n") == by_rank(shown)

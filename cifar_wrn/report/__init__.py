@@ -2,14 +2,18 @@
 
     python -m cifar_wrn.report runs/baseline-1x1-20261202-130000 runs/baseline-1x2-20261202-131500 --out report
     python -m cifar_wrn.report runs/123456 runs/123457 --out report --pdf report.pdf --notes notes.yaml
+    python -m cifar_wrn.report runs/123458/train.log runs/123459/train.log --source my_cifar10.py --out report
 
 Each input is a run folder (raw_ddp.py writes runs/<recipe>-<nodes>x<procs>-<YYYYmmdd-HHMMSS>/log.jsonl,
 accel_train.py runs/accel-<recipe>-..., a Slurm job runs/<job id>/log.jsonl) or a log file (--log-json
-PATH), checked: a number no run can log (NaN, an accuracy outside [0, 1], a negative time) or a header value
-of another type is refused in one line naming the file and line. It writes DIR/report.md with PNG figures next
-to it (every string from a log escaped), saying first when no run met the criterion:
+PATH), or a text log: rank 0's printed epoch lines (a job's train.log, or any file of them; the world size from
+the job's banner or --world-size). A log is checked: a number no run can log (NaN, an accuracy outside [0, 1], a
+negative time) or a header value of another type is refused in one line naming the file and line. It writes
+DIR/report.md with PNG figures next to it (every string from a log escaped), saying first when no run met the
+criterion:
 
-- the DDP steps (R1): the line numbers of each `# R1.<n>` tag of the raw_ddp.py next to this package;
+- the DDP steps (R1): the line numbers of each `# R1.<n>` tag of the raw_ddp.py next to this package, or of
+  each step in the student's own file (--source: by its tag, or else by its call; the missing ones listed);
 - the scaling table: time to the stopping criterion, images/sec, final accuracy, and, only between
   comparable runs (same recipe, data, model and device type, differing in world size), speedup, parallel
   efficiency, the Karp-Flatt serial fraction and Amdahl's predictions; other runs are named with what differs;
@@ -29,11 +33,12 @@ logs and the code give (no date, no absolute path unless given one), so the same
 
 The modules, one job each:
 
-- logs.py: reading and checking run logs (a resumed run read as one);
+- logs.py: reading and checking run logs (a resumed run read as one); textlog.py: text logs of printed lines;
 - scaling.py: time to target (stopping.criterion_met, the course's stop rule), speedup, efficiency,
   Karp-Flatt, Amdahl, and which runs are comparable;
 - sharding.py: shards, padding and gradient bytes per rank;
-- ddp_source.py: the `# R1.<n>` tags and quoted statements of raw_ddp.py;
+- ddp_source.py: the `# R1.<n>` tags and quoted statements of raw_ddp.py; student_source.py: the file the
+  report quotes (raw_ddp.py or --source) and where each step is in it;
 - content.py: the document as dataclasses (sections, text, tables, code, slots, steps);
 - notes.py: the student's --notes and the slots they fill;
 - changes.py: the recipe against recipes/baseline.yaml (the optimisations);

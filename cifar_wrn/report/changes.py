@@ -11,9 +11,12 @@ RUN_LENGTH = ("epochs", "extra_epochs", "target_accuracy", "patience", "seed")
 
 def recipe_changes(run: Run) -> list[tuple[str, str, str]]:
     """(recipe key, baseline value, value used) for each key where the run's recipe differs from
-    recipes/baseline.yaml; a key the header lacks had its default (an older trainer)."""
+    recipes/baseline.yaml; a key the header lacks had its default (an older trainer). Nothing for a text log:
+    it holds no recipe."""
     from ..recipe import as_dict, load_recipe
 
+    if run.text_log:
+        return []
     baseline = as_dict(load_recipe("baseline"))
     used = full_recipe(run.recipe)
     show = lambda value: value if isinstance(value, str) else json.dumps(value)  # true/false as in YAML

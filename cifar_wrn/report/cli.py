@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ..errors import UserError
 from .content import PdfContent, code
-from .ddp_source import shipped_steps
 from .demonstrate import demonstrate
 from .featured import (
     beside_text,
@@ -19,11 +18,13 @@ from .featured import (
     printed_lines,
     unmet_text,
 )
-from .logs import Run, read_run
+from .logs import Run
 from .markdown import write_report
 from .notes import EXAMPLE_NOTES, NOTES_HELP, read_notes
 from .scaling import scaling
+from .student_source import Source, read_source
 from .tables import profile_section, resume_text, scaling_section, short_commit, steps
+from .textlog import read_runs
 from .topology import topology_name
 
 
@@ -36,8 +37,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         "logs",
         nargs="+",
         metavar="RUN",
-        help="a run folder (runs/<name>/, holding the log.jsonl the "
-        "trainers write) or a log file (--log-json PATH); one run each",
+        help="a run folder (runs/<name>/, holding the log.jsonl the trainers write, or a job's train.log), a log "
+        "file (--log-json PATH), or a text log: rank 0's printed epoch lines (runs/<job id>/train.log); one run each",
+    )
+    p.add_argument(
+        "--source",
+        metavar="FILE",
+        help="your own script: the R1 table and the code listings quote it (each step by its `# R1.<n>` tag, or "
+        "else by its call), and the steps not found are listed; default: the shipped raw_ddp.py",
+    )
+    p.add_argument(
+        "--world-size",
+        action="append",
+        default=[],
+        metavar="N|NODESxN",
+        help="the processes of a text log without a job banner: one per such log, in the order given (the RUNs, "
+        "then --compare's)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="what the text logs without a job banner ran on (default cuda)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for report.md and the PNG figures")
     p.add_argument("--no-figures", action="store_true", help="tables only, even when matplotlib is installed")
@@ -66,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def pdf_content(runs: list[Run], notes: dict, compare: list) -> PdfContent:
+def pdf_content(runs: list[Run], notes: dict, compare: list, source: Source | None = None) -> PdfContent:
     """Every text and table the PDF shows, computed here so that report/pdf.py only lays them out."""
     from ..runlog import git_commit
 
@@ -86,17 +107,18 @@ def pdf_content(runs: list[Run], notes: dict, compare: list) -> PdfContent:
         ),
         printed=printed_lines(run),
         criterion=criterion_text(run),
-        steps=steps(notes),
+        steps=steps(notes, source),
         commit=short_commit(git_commit()),
         run_commit=short_commit(run.header.get("git_commit", "not logged")),
         resumed=resume_text(run),
         scaling=scaling_section(scaling(runs), runs),
         profile=profile_section(featured_group(runs)[0]),
-        demonstrate=demonstrate(runs, notes, compare),
+        demonstrate=demonstrate(runs, notes, compare, source),
+        source=source,
     )
 
 
-def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, figures, skipped) -> None:
+def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, figures, skipped, source) -> None:
     from .pdf import MAX_PAGES, write_pdf
 
     shown = {
@@ -104,7 +126,7 @@ def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, 
         "topology": report.parent / topology_name(main_run(runs).config),
     }
     pages, sections = write_pdf(
-        pdf_content(runs, notes, compare),
+        pdf_content(runs, notes, compare, source),
         args.pdf,
         {k: v for k, v in shown.items() if v in figures} | {"others": [f for f in figures if f not in shown.values()]},
         skipped,
@@ -153,13 +175,14 @@ def main(argv=None) -> int:
 
             load_fpdf()  # before any work: without fpdf2, one line saying how to install it
         # every input read and every output checked before the first file is written
-        runs = [read_run(path) for path in args.logs]
-        compare = [(read_run(before), read_run(after)) for before, after in args.compare]
-        shipped_steps()  # the raw_ddp.py the report quotes
+        given = read_runs(args.logs + [log for pair in args.compare for log in pair], args.world_size, args.device)
+        runs, pairs = given[: len(args.logs)], given[len(args.logs) :]
+        compare = list(zip(pairs[::2], pairs[1::2]))
+        source = read_source(args.source)  # the file the report quotes: raw_ddp.py, or --source
         notes = read_notes(args.notes, runs)
         check_outputs(args.out, args.pdf)
         report, figures, skipped = write_report(
-            runs, args.out, figures=not args.no_figures, notes=notes, compare=compare
+            runs, args.out, figures=not args.no_figures, notes=notes, compare=compare, source=source
         )
         print(
             f"wrote {report}"
@@ -167,7 +190,10 @@ def main(argv=None) -> int:
             + (f" (figures skipped: {skipped})" if skipped else "")
         )
         if args.pdf:
-            _write_pdf(args, argv, runs, notes, compare, report, figures, skipped)
+            _write_pdf(args, argv, runs, notes, compare, report, figures, skipped, source)
+        if source.missing:
+            print(f"{source.name}: {len(source.missing)} of the 11 steps not (wholly) found; to do (also in {report}):")
+            print("\n".join(f"  {item}" for item in source.checklist()))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -88,15 +88,13 @@ def where_text(name: str, numbers: list[int]) -> str:
 
 @dataclass
 class Step:
-    """One DDP step of the course (R1.<n>): the lines of raw_ddp.py tagged with it, and the student's why."""
+    """One DDP step of the course (R1.<n>): its lines in the file quoted (raw_ddp.py's tags, or the student's
+    file: student_source.py), and the student's why."""
 
     id: str  # "R1.7"
     lines: list[int]
     why: Slot
-
-    @property
-    def where(self) -> str:
-        return where_text("raw_ddp.py", self.lines)
+    where: str  # 'raw_ddp.py:86,88' (where_text), or that it was not found
 
 
 @dataclass
@@ -116,3 +114,4 @@ class PdfContent:
     scaling: Section  # its Table, then the Bullets that explain it
     profile: Section | None  # the time profile's table, where a run has one
     demonstrate: list[Section]
+    source: object = None  # the file quoted (student_source.Source); None: the shipped raw_ddp.py

@@ -69,7 +69,7 @@ def statement_lines(opening: str, source: Path | None = None) -> list[str]:
     return out
 
 
-def code_block(lines: list[str]) -> Code:
-    """Quoted lines 'NNN: code' in file order, each once."""
+def code_block(lines: list[str], name: str = "raw_ddp.py") -> Code:
+    """Quoted lines 'NNN: code' in file order, each once, under a line naming the file they quote."""
     lines = sorted(set(lines), key=lambda line: int(line.split(":")[0]))
-    return Code(lines or ["(no such tagged line in raw_ddp.py)"])
+    return Code([f"# quoted from {name} (line: code)"] + (lines or [f"(no such line in {name})"]))

@@ -5,22 +5,23 @@ import json
 
 from .changes import optimisations, recipe_changes
 from .content import Section, Table, Text, code, md_text
-from .ddp_source import code_block, code_lines, statement_lines
 from .featured import featured_group, main_run
 from .logs import Run, full_recipe, is_number
 from .notes import EXPLAIN, slot
 from .scaling import differences, mean_images_per_sec, profile_parts, run_time_to_target
 from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, ddp_buckets, gradient_bytes, shards
+from .student_source import Source, shipped_source
 from .tables import PROFILE_TITLE, fmt
 
 WALKTHROUGH = "docs/ddp_walkthrough.md"
+NO_COUNTS = "_No {} in these logs (a text log holds none)._"
 
 
 def _explain(notes: dict, key: str) -> Text:
     return Text(f"**Explanation:** {slot(notes, 'explain', key, EXPLAIN[key])}")
 
 
-def topology_item(runs: list[Run]) -> Section:
+def topology_item(runs: list[Run], source: Source) -> Section:
     layouts = "; ".join(
         f"{code(r.label)} draws {r.num_nodes} node(s) x {r.num_gpus} "
         f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
@@ -32,11 +33,11 @@ def topology_item(runs: list[Run]) -> Section:
         "Each run's layout (its diagram and text topology: report.md's section of the run; the PDF's section "
         '"Scaling" shows the featured run\'s): '
         + layouts
-        + ". In raw_ddp.py, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). "
+        + f". In {source.name}, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). "
         + f"The concepts: {WALKTHROUGH}."
     )
-    quoted = code_lines("R1.2") + code_lines("R1.7") + statement_lines("dist.init_process_group(")
-    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), code_block(quoted)])
+    quoted = source.quote(("R1.2", "R1.7", "R1.3"), "dist.init_process_group(")
+    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), quoted])
 
 
 def _accelerate_row(r: Run, split: str, n: int, b: int | None) -> list:
@@ -81,7 +82,7 @@ ACCELERATE_DEALS = (
 )
 
 
-def partitioning_item(runs: list[Run]) -> Section:
+def partitioning_item(runs: list[Run], source: Source) -> Section:
     rows, accelerate = _partition_rows(runs)
     text = (
         "DistributedSampler (R1.5) gives each rank ceil(n / world size) indices; the padding "
@@ -96,9 +97,9 @@ def partitioning_item(runs: list[Run]) -> Section:
         "Demonstrate 2: data partitioning",
         [
             Text(text),
-            Table(head, rows),
+            Table(head, rows) if rows else Text(NO_COUNTS.format("image counts")),
             Text("The sampler and its new shuffle each epoch (R1.6):"),
-            code_block(statement_lines("= DistributedSampler(") + code_lines("R1.6")),
+            source.quote(("R1.6", "R1.5"), "= DistributedSampler("),
         ],
     )
 
@@ -122,7 +123,7 @@ def _gradient_row(r: Run, sent: tuple[int, int]) -> list:
     ]
 
 
-def gradient_sync_item(runs: list[Run]) -> Section:
+def gradient_sync_item(runs: list[Run], source: Source) -> Section:
     rows = [_gradient_row(r, gradient_bytes(r)) for r in runs if gradient_bytes(r) and r.world_size > 1]
     text = (
         "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
@@ -134,14 +135,16 @@ def gradient_sync_item(runs: list[Run]) -> Section:
         "without synchronisation, times the steps)."
     )
     head = ["run", "parameters", "gradients", "all-reduced per step", "buckets", "sent per rank (ring)"]
-    table = Table(head + ["measured all-reduce"], rows) if rows else Text("_No run with more than one process._")
-    blocks = [Text(text), table, code_block(statement_lines("= DDP("))]
+    several = any(r.world_size > 1 for r in runs)
+    none = NO_COUNTS.format("parameter counts") if several else "_No run with more than one process._"
+    table = Table(head + ["measured all-reduce"], rows) if rows else Text(none)
+    blocks = [Text(text), table, source.quote(("R1.8",), "= DDP(")]
     return Section("D3", "Demonstrate 3: gradient synchronisation", blocks)
 
 
-def aggregation_item(runs: list[Run]) -> Section:
+def aggregation_item(runs: list[Run], source: Source) -> Section:
     text = (
-        "The R1.9 lines of raw_ddp.py as they stand: images/sec is a SUM over the ranks (dist.reduce to "
+        f"The R1.9 lines of {source.name} as they stand: images/sec is a SUM over the ranks (dist.reduce to "
         "rank 0), validation loss and accuracy an AVG (all_reduce of sums and counts)."
     )
     head = ["run", "last epoch", "images/sec (SUM over ranks)", "per rank (SUM / N)", "val loss (AVG)"]
@@ -158,7 +161,7 @@ def aggregation_item(runs: list[Run]) -> Section:
         for r in runs
         if r.epochs
     ]
-    blocks = [Text(text), code_block(code_lines("R1.9")), Table(head + ["val accuracy (AVG)"], rows)]
+    blocks = [Text(text), source.quote(("R1.9",)), Table(head + ["val accuracy (AVG)"], rows)]
     return Section("D4", "Demonstrate 4: aggregating metrics across ranks", blocks)
 
 
@@ -173,6 +176,8 @@ def scaling_item(runs: list[Run]) -> Section:
 
 
 def _recipe_change(before: Run, after: Run) -> str:
+    if before.text_log or after.text_log:
+        return "not logged (a text log holds no recipe)"
     old, new = full_recipe(before.recipe), full_recipe(after.recipe)
     keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     return "; ".join(f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}" for k in keys) or "none"
@@ -206,13 +211,15 @@ def compare_blocks(before: Run, after: Run) -> list:
 def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) -> Section:
     run = main_run(runs)
     changes = optimisations(run)
-    blocks: list = [
-        Text(
+    if run.text_log:
+        text = f"{code(run.label)} is a text log: it holds no recipe, so your changes are yours to name (with --notes)."
+    elif changes:
+        text = (
             f"The recipe keys where {code(run.label)}'s recipe differs from recipes/baseline.yaml in what it computes:"
-            if changes
-            else f"None: {code(run.label)} trained with the baseline recipe, unchanged."
         )
-    ]
+    else:
+        text = f"None: {code(run.label)} trained with the baseline recipe, unchanged."
+    blocks: list = [Text(text)]
     if changes:
         rows = [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes]
         blocks.append(Table(["recipe key", "baseline", "used", "why"], rows))
@@ -236,13 +243,15 @@ def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Ru
     return Section("D6", "Demonstrate 6: optimisations", blocks)
 
 
-def demonstrate(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]]) -> list[Section]:
-    """Demonstrate 1-6, each closing with the student's explanation (EXPLAIN's slot for it)."""
+def demonstrate(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]], source=None) -> list[Section]:
+    """Demonstrate 1-6, each closing with the student's explanation (EXPLAIN's slot for it); the code quoted
+    from `source` (student_source.Source: the shipped raw_ddp.py by default)."""
+    source = source or shipped_source()
     items = [
-        (topology_item(runs), "topology"),
-        (partitioning_item(runs), "partitioning"),
-        (gradient_sync_item(runs), "gradient_sync"),
-        (aggregation_item(featured_group(runs)[0]), "aggregation"),
+        (topology_item(runs, source), "topology"),
+        (partitioning_item(runs, source), "partitioning"),
+        (gradient_sync_item(runs, source), "gradient_sync"),
+        (aggregation_item(featured_group(runs)[0], source), "aggregation"),
         (scaling_item(runs), "scaling"),
         (optimisations_item(runs, notes, compare), "optimisations"),
     ]

@@ -78,7 +78,10 @@ def beside_text(runs: list[Run]) -> str:
 
 def printed_lines(run: Run) -> list[str]:
     """What rank 0 printed, line for line from the log: each epoch's line and the final line (the trainers'
-    own functions, cifar_wrn/runlog.py and stopping.py), or none when the log ends before the run did."""
+    own functions, cifar_wrn/runlog.py and stopping.py), or none when the log ends before the run did. A text
+    log's lines as they were printed."""
+    if run.text_log:
+        return run.header["printed_lines"]
     from ..runlog import epoch_line
     from ..stopping import final_text
 

@@ -27,6 +27,7 @@ HEADER_TYPES = {
 }
 # What an epoch record's numbers can be: accuracies are fractions, times, rates and losses are not negative.
 FRACTIONS = ("val_accuracy", "train_accuracy")
+TEXT_LOG = "train.log"  # a Slurm job's printed lines: runs/<job id>/train.log (textlog.py reads it)
 
 
 class LogError(UserError):
@@ -59,6 +60,11 @@ class Run:
     label: str = ""
     segments: list[Segment] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the reader should know about the log itself
+
+    @property
+    def text_log(self) -> bool:
+        """Read from printed lines (textlog.py): no recipe, model or data sizes."""
+        return self.header.get("log_format") == "text"
 
     @property
     def world_size(self) -> int:
@@ -141,18 +147,25 @@ def full_recipe(recipe: dict) -> dict:
     return {**as_dict(Recipe()), **kept}
 
 
+def read_text(path: Path, name: str = "", what: str = "a run log", error: type = LogError) -> str:
+    """The text of `path`, or an `error` naming it (`name`: as the user gave it, the path by default) when it
+    is missing, a folder, not text (not `what`) or unreadable."""
+    name = name or str(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{name}: is a folder, not {what}") from None
+    except UnicodeDecodeError:
+        raise error(f"{name}: not {what} (not a text file)") from None
+    except OSError as exc:
+        raise error(f"{name}: cannot be read ({exc.strerror or exc})") from None
+
+
 def _records(path: Path):
     """(line number, JSON object) of every non-blank line; a LogError names the file (and line)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LogError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise LogError(f"{path}: is a folder, not a run log") from None
-    except UnicodeDecodeError:
-        raise LogError(f"{path}: not a run log (not a text file)") from None
-    except OSError as exc:
-        raise LogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    text = read_text(path)
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -247,7 +260,9 @@ def log_path(path) -> Path:
     path = Path(path)
     if path.is_dir():
         if not (path / RUN_LOG).is_file():
-            raise LogError(f"{path}: a folder without {RUN_LOG}: give a run log or a run folder that holds one")
+            raise LogError(
+                f"{path}: a folder without {RUN_LOG}: give a run log or a run folder that holds one (or {TEXT_LOG})"
+            )
         return path / RUN_LOG
     return path
 
@@ -336,9 +351,10 @@ def read_run(path) -> Run:
 
 
 def label_runs(runs: list[Run]) -> None:
-    """A short, unique name per run (the file name without .jsonl, the folder's for a run folder's log), used
-    in tables and figure names."""
-    names = [r.path.parent.name if r.path.name == RUN_LOG and r.path.parent.name else r.path.stem for r in runs]
+    """A short, unique name per run (the file name without .jsonl, the folder's for a run folder's log or a job's
+    train.log), used in tables and figure names."""
+    folder = lambda r: r.path.name in (RUN_LOG, TEXT_LOG) and r.path.parent.name
+    names = [r.path.parent.name if folder(r) else r.path.stem for r in runs]
     for run, name in zip(runs, names):
         if names.count(name) > 1:
             name = f"{run.path.parent.name}/{name}" if run.path.parent.name else name

@@ -10,6 +10,7 @@ from .featured import beside_text, featured_group, featured_text, unmet_text
 from .figures import Figures, draw_figures
 from .logs import Run, label_runs
 from .scaling import scaling
+from .student_source import Source, shipped_source
 from .tables import epoch_table, header_facts, profile_section, scaling_section, steps_table
 from .topology import topology_text
 
@@ -86,9 +87,17 @@ def _opening(runs: list[Run], figures: Figures, out_dir: Path) -> list:
     return blocks
 
 
-def steps_section(notes: dict) -> Section:
-    text = "The line numbers of each `# R1.<n>` tag in the raw_ddp.py next to this report (they move with the code)."
-    return Section("R1", "The DDP steps (R1) in raw_ddp.py", [Text(text), steps_table(notes)])
+def steps_section(notes: dict, source: Source) -> Section:
+    if source.shipped:
+        text = (
+            "The line numbers of each `# R1.<n>` tag in the raw_ddp.py next to this report (they move with the code)."
+        )
+    else:
+        text = f"Where each step is in `{source.name}`: its `# R1.<n>` tag, or else the call the step names."
+    blocks = [Text(text), steps_table(notes, source)]
+    if source.missing:
+        blocks += [Text(f"**Not found in `{source.name}`**, to do:"), Bullets(source.checklist())]
+    return Section("R1", f"The DDP steps (R1) in {source.name}", blocks)
 
 
 def run_section(run: Run, figures: Figures) -> Section:
@@ -107,9 +116,9 @@ def run_section(run: Run, figures: Figures) -> Section:
     return Section("run", run.label, blocks, level=3)
 
 
-def report_blocks(runs: list[Run], figures: Figures, out_dir: Path, notes: dict, compare: list) -> list:
+def report_blocks(runs: list[Run], figures: Figures, out_dir: Path, notes: dict, compare: list, source: Source) -> list:
     """Every block of report.md, in order."""
-    blocks = _opening(runs, figures, out_dir) + [steps_section(notes), scaling_section(scaling(runs), runs)]
+    blocks = _opening(runs, figures, out_dir) + [steps_section(notes, source), scaling_section(scaling(runs), runs)]
     if figures.skipped is None and any(r.epochs for r in runs):
         blocks.append(Image("accuracy_vs_time.png", "validation accuracy against Cumulative Time"))
         blocks.append(Image("images_per_sec.png", "images/sec per epoch"))
@@ -118,15 +127,22 @@ def report_blocks(runs: list[Run], figures: Figures, out_dir: Path, notes: dict,
         if figures.skipped is None:
             profile.blocks.append(Image("profile.png", "time profile per run"))
         blocks.append(profile)
-    blocks += demonstrate(runs, notes, compare)
+    blocks += demonstrate(runs, notes, compare, source)
     blocks.append(Section("runs", "Runs"))
     return blocks + [run_section(run, figures) for run in runs]
 
 
 def write_report(
-    runs: list[Run], out_dir, figures: bool = True, notes: dict | None = None, compare: list[tuple[Run, Run]] = ()
+    runs: list[Run],
+    out_dir,
+    figures: bool = True,
+    notes: dict | None = None,
+    compare: list[tuple[Run, Run]] = (),
+    source: Source | None = None,
 ) -> tuple[Path, list[Path], str | None]:
-    """Write out_dir/report.md (and the PNGs). Returns (report path, figure paths, why figures were skipped)."""
+    """Write out_dir/report.md (and the PNGs). Returns (report path, figure paths, why figures were skipped).
+    `source`: the file the R1 table and the listings quote (student_source.read_source); the shipped raw_ddp.py
+    by default."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +152,9 @@ def write_report(
     for pair in compare:  # named apart from the reported runs: a before/after may be one of them
         label_runs(list(pair))
     drawn = draw_figures(runs, featured_group(runs)[0], out_dir, figures)
-    lines = ["# Training report", ""] + blocks_markdown(report_blocks(runs, drawn, out_dir, notes or {}, list(compare)))
+    lines = ["# Training report", ""] + blocks_markdown(
+        report_blocks(runs, drawn, out_dir, notes or {}, list(compare), source or shipped_source())
+    )
     report = out_dir / "report.md"
     try:
         report.write_text("\n".join(lines) + "\n")

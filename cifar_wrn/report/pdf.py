@@ -305,17 +305,22 @@ def _opening(pdf, lay: Layout, content: PdfContent, command: str, caption: str |
 
 
 def _steps(pdf, lay: Layout, content: PdfContent) -> None:
-    """R3's first part: where each R1 step is in raw_ddp.py, and the student's why."""
-    _heading(pdf, "1. The DDP steps (R1): where they are in raw_ddp.py, and why each is needed")
-    _text(
-        pdf,
-        lay,
-        f"Line numbers of the raw_ddp.py this report ships with (commit "
-        f"{content.commit}; the run's log names commit {content.run_commit}). Each process is pinned "
-        f"to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2.",
+    """R3's first part: where each R1 step is in raw_ddp.py (or the student's --source), and the student's why."""
+    source = content.source
+    name = source.name if source else "raw_ddp.py"
+    _heading(pdf, f"1. The DDP steps (R1): where they are in {name}, and why each is needed")
+    where = (
+        f"Line numbers of the raw_ddp.py this report ships with (commit {content.commit}; the run's log names "
+        f"commit {content.run_commit})"
+        if source is None or source.shipped
+        else f"Line numbers in {name}: each step's # R1.<n> tag, or else the call it names"
     )
+    pin = "Each process is pinned to its GPU at R1.7; the group is formed at R1.3, from the ranks of R1.2."
+    _text(pdf, lay, f"{where}. {pin}")
     pdf.ln(1)
     _table(pdf, lay, ["step", "where", "why"], [[step.id, step.where, step.why] for step in content.steps])
+    for item in source.checklist() if source else []:
+        _text(pdf, lay, _plain(item), "B", RED)
 
 
 def _epoch_log(pdf, lay: Layout, content: PdfContent) -> None:

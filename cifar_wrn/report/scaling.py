@@ -13,8 +13,8 @@ AMDAHL_GPUS = (2, 4, 8)  # the GPU counts Amdahl's law is asked about
 # Fewer steps an epoch and the first and last (the loader's start, the first all-reduce, the short batch) are over
 # a tenth of it: its times say little of the steady training a speedup is about.
 MIN_STEPS = 20
-# Header entries that must agree for a speedup to compare like with like.
-COMPARABLE = ("recipe", "train_images", "val_images", "model_width", "model_parameters", "device")
+# Header entries that must agree for a speedup to compare like with like (log_format: a text log's, textlog.py).
+COMPARABLE = ("recipe", "train_images", "val_images", "model_width", "model_parameters", "device", "log_format")
 # The recipe keys of the stopping rule: compared as in force at the target (run_rule), not as the first header's.
 STOP_RULE = ("target_accuracy", "patience")
 
@@ -129,7 +129,7 @@ def _rule_difference(runs: list[Run]) -> Difference | None:
 def _header_value(run: Run, key: str):
     """A COMPARABLE entry of the first header; the recipe in full (full_recipe) less its stopping rule, which
     a resume may change (STOP_RULE: compared as in force at the target)."""
-    value = run.header.get(key)
+    value = run.header.get(key, "json" if key == "log_format" else None)
     if key == "recipe" and isinstance(value, dict):
         return {k: v for k, v in full_recipe(value).items() if k not in STOP_RULE}
     return value

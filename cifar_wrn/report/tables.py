@@ -5,10 +5,10 @@ import math
 import re
 
 from .content import Bullets, Section, Step, Table, Text
-from .ddp_source import shipped_steps
 from .logs import Run, is_number
 from .notes import slot
 from .scaling import AMDAHL_GPUS, Scaling, profiled, run_rule, run_stop, short_runs
+from .student_source import TITLES, shipped_source
 
 
 def fmt(value, digits: int = 3, missing: str = "–") -> str:
@@ -19,13 +19,18 @@ def fmt(value, digits: int = 3, missing: str = "–") -> str:
     return f"{value:.{digits}f}"
 
 
-def steps(notes: dict) -> list[Step]:
-    """Section 1: each R1 step's lines in the shipped raw_ddp.py, and the student's why (a slot)."""
-    return [Step(step, lines, slot(notes, "steps", step, f"why {step} is needed")) for step, lines in shipped_steps()]
+def steps(notes: dict, source=None) -> list[Step]:
+    """Section 1: each R1 step's lines in the file quoted (the shipped raw_ddp.py, or --source), and the
+    student's why (a slot)."""
+    source = source or shipped_source()
+    return [
+        Step(step, source.steps.get(step, []), slot(notes, "steps", step, f"why {step} is needed"), source.where(step))
+        for step in TITLES
+    ]
 
 
-def steps_table(notes: dict) -> Table:
-    return Table(["step", "where", "why"], [[s.id, s.where, s.why] for s in steps(notes)])
+def steps_table(notes: dict, source=None) -> Table:
+    return Table(["step", "where", "why"], [[s.id, s.where, s.why] for s in steps(notes, source)])
 
 
 OPTIONAL_FACTS = (
@@ -41,6 +46,8 @@ OPTIONAL_FACTS = (
     ("model parameters", "model_parameters"),
     ("torch", "torch_version"),
     ("host (rank 0)", "hostname"),
+    ("hardware", "hardware"),  # a text log's: its job's topology.txt
+    ("command", "command"),
     ("started", "started_at"),
 )
 

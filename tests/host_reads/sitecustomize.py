@@ -2,8 +2,9 @@
 reads of a tensor's value on the host (Tensor.item, .tolist, float(), int(), bool(), .numpy()) and the tensors
 built from host data (torch.tensor, torch.as_tensor of a list or number), the operations that on a GPU make the
 host wait for the device queue. Each is counted under the innermost line of the checkout that made it, and apart
-when $HOST_READS_LOOP's file:first-last lines (the training loop) are on the stack; at exit each process writes
-its counts to $HOST_READS_DIR/<pid>.json. Nothing in the trainers knows of it."""
+when $HOST_READS_CLOCK's file:first-last lines (a timed epoch) are on the stack; at exit each process writes its
+counts to $HOST_READS_DIR/<pid>.json. StepGuard's interval, which follows the machine's speed, is pinned at its
+longest, so that the counts are the same on any machine. Nothing in the trainers knows of it."""
 
 import atexit
 import collections
@@ -17,21 +18,21 @@ from pathlib import Path
 runpy.run_path(str(Path(__file__).parents[1] / "lean_gc" / "sitecustomize.py"))
 
 REPO = str(Path(__file__).resolve().parents[2]) + os.sep
-LOOP_FILE, LOOP_LINES = os.environ["HOST_READS_LOOP"].rsplit(":", 1)
-FIRST, LAST = map(int, LOOP_LINES.split("-"))
-counts = {"step": collections.Counter(), "other": collections.Counter()}
+CLOCK_FILE, CLOCK_LINES = os.environ["HOST_READS_CLOCK"].rsplit(":", 1)
+FIRST, LAST = map(int, CLOCK_LINES.split("-"))
+counts = {"clock": collections.Counter(), "other": collections.Counter()}
 
 
 def record(kind: str) -> None:
-    frame, innermost, in_step = sys._getframe(2), None, False
+    frame, innermost, in_clock = sys._getframe(2), None, False
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(REPO) and "/tests/" not in name:
             innermost = innermost or f"{name[len(REPO) :]}:{frame.f_lineno}"
-            in_step |= name.endswith(LOOP_FILE) and FIRST <= frame.f_lineno <= LAST
+            in_clock |= name.endswith(CLOCK_FILE) and FIRST <= frame.f_lineno <= LAST
         frame = frame.f_back
     if innermost:
-        counts["step" if in_step else "other"][f"{innermost} {kind}"] += 1
+        counts["clock" if in_clock else "other"][f"{innermost} {kind}"] += 1
 
 
 def counted(owner, name: str, kind: str, only=lambda *args, **kwargs: True):
@@ -53,6 +54,9 @@ def install() -> None:
     from_host = lambda data, *args, **kwargs: not isinstance(data, torch.Tensor)
     for name in ("tensor", "as_tensor"):
         counted(torch, name, f"torch.{name} from host data", from_host)
+    from cifar_wrn import resilience
+
+    resilience.STOP_LATENCY = float("inf")  # every CHECK_EVERY steps, however slow a step
 
 
 def write() -> None:
