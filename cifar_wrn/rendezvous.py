@@ -2,9 +2,12 @@
 a store of its own; raw_ddp.py's parent holds the store and passes stop signals on."""
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
+import tempfile
+import threading
 from dataclasses import replace
 from datetime import timedelta
 
@@ -13,7 +16,7 @@ import torch.multiprocessing as mp
 
 from .errors import UserError
 from .launchers import free_port, launcher_world_size
-from .resilience import STOP_SIGNALS
+from .resilience import STOP_SIGNALS, request_stop, stop_status
 
 
 @contextlib.contextmanager
@@ -21,8 +24,9 @@ def forming_group(rank: int | None, world_size: int | None, timeout: float):
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
-        own_store_after_a_restart(timeout)
-        yield
+        with c10d_lines_held():
+            own_store_after_a_restart(timeout)
+            yield
     except dist.DistError as exc:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         who = "" if rank is None else f"rank {rank}: "
@@ -32,6 +36,27 @@ def forming_group(rank: int | None, world_size: int | None, timeout: float):
             "every node with the same node count, processes per node, address and port. "
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
         ) from None
+
+
+@contextlib.contextmanager
+def c10d_lines_held():
+    """What this process writes to stderr while the group forms, said after it formed: the store's C++ retries
+    (tens of lines, stack traces, which no log level hides alone) do not bury the one line of a group that did not."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        formed = False
+        try:
+            yield
+            formed = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            held.seek(0)
+            if formed and (text := held.read()):
+                os.write(2, text)
 
 
 def own_store_after_a_restart(timeout: float) -> None:
@@ -52,8 +77,8 @@ def own_store_after_a_restart(timeout: float) -> None:
 
 
 class Launcher:
-    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes SIGUSR1/SIGTERM on, exits as the
-    ranks did."""
+    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes stop signals on (a stop while mp.spawn
+    starts the ranks ends them: none has trained), exits as the ranks did."""
 
     def __init__(self, settings):
         """settings: cli.Settings; self.settings: the same, with the store's port where none was given."""
@@ -65,16 +90,44 @@ class Launcher:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.pass_on)
-        # held until wait() knows the ranks, which inherit the mask: held there too, until their handlers are in
+        # blocked in this thread until wait() knows the ranks, which inherit its mask: held there until their
+        # handlers are in; meanwhile another thread takes them, and pass_on runs here
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self.spawned = threading.Event()
+        self.taker = threading.Thread(target=self.take_stops_while_spawning, daemon=True)
+        self.taker.start()
+
+    def take_stops_while_spawning(self) -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        self.spawned.wait()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from wait() on, the main thread takes them
 
     def pass_on(self, signum, frame) -> None:
-        for process in self.processes:
+        started = self.processes or multiprocessing.active_children()
+        if len(started) < self.settings.num_gpus:
+            self.end_the_spawn(started, signum)
+        for process in started:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGUSR1)
+                os.kill(process.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGUSR1)
+
+    def end_the_spawn(self, started: list, signum) -> None:
+        for process in started:
+            process.kill()
+            process.join()
+        request_stop(signum)
+        status = stop_status(saved=self.settings.checkpoints.directory is not None)
+        print(
+            f"{'error: ' * (status == 1)}stopped by {signal.Signals(signum).name} while the ranks started "
+            f"({len(started)} of {self.settings.num_gpus}): nothing trained, nothing saved",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(status)  # out of mp.spawn: it starts no more
 
     def wait(self, context) -> None:
         self.processes.extend(context.processes)
+        self.spawned.set()
+        self.taker.join()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a stop held since __init__ is passed on now
         try:
             while not context.join(grace_period=10):
