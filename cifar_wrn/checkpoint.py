@@ -2,11 +2,8 @@
 read (as data only: others may write to the folder), and what a resume checks."""
 
 import contextlib
-import errno
-import fcntl
 import os
 import pickle
-import platform
 import re
 import stat
 import tempfile
@@ -214,34 +211,6 @@ def refuse_overwrite(directory, accel: bool):
             f"--checkpoint-dir {directory} holds a checkpoint ({', '.join(found)}) that a fresh run would overwrite: "
             "continue it with --auto-resume, or give another --checkpoint-dir"
         )
-
-
-LOCK = ".lock"  # DIR/.lock: fcntl's POSIX lock (the OS drops it when its process ends, however; NFS holds it too)
-_held = []  # this process's locks, open to its exit
-
-
-def hold_folder(directory):
-    """One run a folder: a second one stops, naming the first (which the lock file names)."""
-    path = os.path.join(directory, LOCK)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be opened ({exc.strerror}; a symbolic link is refused)") from None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.read(fd, 300).decode("utf-8", "replace").strip() or "another run"
-        os.close(fd)
-        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: not held
-            return
-        raise CheckpointError(
-            f"--checkpoint-dir {directory} is in use by {holder}: one run a folder; wait for it to end, or give "
-            "another --checkpoint-dir"
-        ) from None
-    job = f", Slurm job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else ""
-    os.ftruncate(fd, 0)
-    os.write(fd, f"the run of pid {os.getpid()} on {platform.node()}{job}\n".encode())
-    _held.append(fd)
 
 
 def load_checkpoint(directory) -> dict:

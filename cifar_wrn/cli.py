@@ -1,7 +1,10 @@
 """The command line both entry points share, checked before any process group forms."""
 
 import argparse
+import errno
+import fcntl
 import os
+import platform
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -11,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from .checkpoint import check_writable, hold_folder, refuse_overwrite
+from .checkpoint import check_writable, refuse_overwrite
 from .errors import UserError, said_by_one
 from .launchers import CPU_FALLBACK_WARNING, launched_by_torchrun, launcher_world_size, port_is_free
 from .model import COURSE_WIDTH
@@ -206,12 +209,36 @@ def writable_folder(flag: str, path, folder: Path, created: bool):
     while created and not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise UserError(f"--{flag} {path}: {folder} {what}; {flag.replace('-', ' ')} needs a folder there")
+        raise UserError(
+            f"--{flag} {path}: the folder {'is a file' if folder.exists() else 'does not exist'} ({folder})"
+        )
     try:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as exc:
         raise UserError(f"--{flag} {path}: {folder} is not writable ({exc.strerror or exc})") from None
+
+
+def hold_folder(directory):
+    """One run a folder: fcntl's POSIX lock on DIR/.lock, which the OS drops when its process ends, however it ends
+    (NFS included); the file names the holder to a second run, which stops."""
+    path = os.path.join(directory, ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never closed: held to the exit
+    except OSError as exc:
+        raise UserError(f"{path} cannot be opened ({exc.strerror}; a symbolic link is refused)") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks holds nothing
+            return
+        holder = os.read(fd, 300).decode("utf-8", "replace").strip()
+        raise UserError(
+            f"--checkpoint-dir {directory} is in use by {holder}: one run a folder; wait for it to end, or give "
+            "another --checkpoint-dir"
+        ) from None
+    job = f", Slurm job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else ""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"the run of pid {os.getpid()} on {platform.node()}{job}\n".encode())
 
 
 def claim_checkpoint_dir(args, accel: bool, holder: bool):

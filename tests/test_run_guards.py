@@ -95,7 +95,7 @@ def test_a_run_log_is_never_truncated(tmp_path):
 
 # ----------------------------------------------------------------------------- item 2: one run a folder
 
-HOLD = "import sys, time; from cifar_wrn.checkpoint import hold_folder; hold_folder(sys.argv[1]); print('held')"
+HOLD = "import sys, time; from cifar_wrn.cli import hold_folder; hold_folder(sys.argv[1]); print('held')"
 HOLD += "; time.sleep(120)"
 
 
@@ -158,14 +158,20 @@ def output_cases(tmp_path) -> dict:
         file.write_text("x")
     return {
         "save a folder": (["--save", folder], f"--save {folder} is a folder"),
-        "save under a file": (["--save", file / "w.pt"], f"--save {file / 'w.pt'}: {file} is a file"),
-        "save in no folder": (["--save", tmp_path / "no" / "w.pt"], f"{tmp_path / 'no'} does not exist"),
+        "save under a file": (["--save", file / "w.pt"], f"--save {file / 'w.pt'}: the folder is a file ({file})"),
+        "save in no folder": (["--save", tmp_path / "no" / "w.pt"], f"the folder does not exist ({tmp_path / 'no'})"),
         "log-json a folder": (["--log-json", folder], f"--log-json {folder} is a folder"),
-        "log-json under a file": (["--log-json", file / "l.jsonl"], f"{file} is a file"),
-        "trace a file": (["--trace", file], f"--trace {file}: {file} is a file"),
-        "trace below a file": (["--trace", file / "t"], f"--trace {file / 't'}: {file} is a file"),
-        "project-dir a file": (["--with-tracking", "--project-dir", file], f"--project-dir {file}: {file} is a file"),
-        "checkpoint-dir a file": (["--checkpoint-dir", file], f"--checkpoint-dir {file}: {file} is a file"),
+        "log-json under a file": (["--log-json", file / "l.jsonl"], f"the folder is a file ({file})"),
+        "trace a file": (["--trace", file], f"--trace {file}: the folder is a file ({file})"),
+        "trace below a file": (["--trace", file / "t"], f"--trace {file / 't'}: the folder is a file ({file})"),
+        "project-dir a file": (
+            ["--with-tracking", "--project-dir", file],
+            f"--project-dir {file}: the folder is a file ({file})",
+        ),
+        "checkpoint-dir a file": (
+            ["--checkpoint-dir", file],
+            f"--checkpoint-dir {file}: the folder is a file ({file})",
+        ),
         "trace unwritable": (["--trace", "/sys/trace"], "--trace /sys/trace: /sys is not writable"),
     }
 
