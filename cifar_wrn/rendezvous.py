@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 from dataclasses import replace
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ import torch.multiprocessing as mp
 
 from .errors import UserError
 from .launchers import free_port, launcher_world_size
-from .resilience import STOP_SIGNALS, request_stop, stop_status
+from .resilience import STOP_SIGNALS
 
 
 @contextlib.contextmanager
@@ -40,16 +39,19 @@ def forming_group(rank: int | None, world_size: int | None, timeout: float):
 
 @contextlib.contextmanager
 def c10d_lines_held():
-    """What this process writes to stderr while the group forms, said after it formed: the store's C++ retries
-    (tens of lines, stack traces, which no log level hides alone) do not bury the one line of a group that did not."""
+    """What this process writes to stderr while the group forms, said after it (or after any other failure): the
+    store's C++ retries (tens of lines, stack traces; TORCH_CPP_LOG_LEVEL would hide every later C++ error too) do
+    not bury the one line of a group that did not form."""
     sys.stderr.flush()
     stderr = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
-        formed = False
+        formed = True
         try:
             yield
-            formed = True
+        except dist.DistError:
+            formed = False  # forming_group says why in one line
+            raise
         finally:
             sys.stderr.flush()
             os.dup2(stderr, 2)
@@ -77,8 +79,8 @@ def own_store_after_a_restart(timeout: float) -> None:
 
 
 class Launcher:
-    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes stop signals on (a stop while mp.spawn
-    starts the ranks ends them: none has trained), exits as the ranks did."""
+    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes stop signals on, exits as the ranks
+    did."""
 
     def __init__(self, settings):
         """settings: cli.Settings; self.settings: the same, with the store's port where none was given."""
@@ -90,44 +92,22 @@ class Launcher:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.pass_on)
-        # blocked in this thread until wait() knows the ranks, which inherit its mask: held there until their
-        # handlers are in; meanwhile another thread takes them, and pass_on runs here
+        # held until wait() knows the ranks, which inherit the mask: held there too, until their handlers are in
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        self.spawned = threading.Event()
-        self.taker = threading.Thread(target=self.take_stops_while_spawning, daemon=True)
-        self.taker.start()
-
-    def take_stops_while_spawning(self) -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        self.spawned.wait()
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from wait() on, the main thread takes them
+        self.held = None  # the stop to pass on
 
     def pass_on(self, signum, frame) -> None:
-        started = self.processes or multiprocessing.active_children()
-        if len(started) < self.settings.num_gpus:
-            self.end_the_spawn(started, signum)
-        for process in started:
+        """One that comes while mp.spawn starts the ranks (a thread of the store takes it then) goes to those started
+        and, from wait(), to all."""
+        self.held = signal.SIGINT if signal.SIGINT in (signum, self.held) else signal.SIGUSR1
+        for process in self.processes or multiprocessing.active_children():
             if process.is_alive():
-                os.kill(process.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGUSR1)
-
-    def end_the_spawn(self, started: list, signum) -> None:
-        for process in started:
-            process.kill()
-            process.join()
-        request_stop(signum)
-        status = stop_status(saved=self.settings.checkpoints.directory is not None)
-        print(
-            f"{'error: ' * (status == 1)}stopped by {signal.Signals(signum).name} while the ranks started "
-            f"({len(started)} of {self.settings.num_gpus}): nothing trained, nothing saved",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(status)  # out of mp.spawn: it starts no more
+                os.kill(process.pid, self.held)
 
     def wait(self, context) -> None:
         self.processes.extend(context.processes)
-        self.spawned.set()
-        self.taker.join()
+        if self.held:
+            self.pass_on(self.held, None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a stop held since __init__ is passed on now
         try:
             while not context.join(grace_period=10):

@@ -221,20 +221,19 @@ def test_num_gpus_beyond_4_a_core_on_the_cpu_is_refused(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_stop_while_mp_spawn_starts_the_ranks_ends_them_at_once(cifar_dir, tmp_path):
-    """It used to be held until mp.spawn returned (the ranks then formed the group and trained a step)."""
+def test_a_stop_while_mp_spawn_starts_the_ranks_is_passed_on(cifar_dir, tmp_path):
+    """It was lost: a thread of the launcher's store took it before the launcher knew the ranks, which trained on
+    to the end. Now the ranks stop as at any start-up stop: at the first step, with a checkpoint (75)."""
     ck, spawning = tmp_path / "ck", tmp_path / "spawning"
     spawning.mkdir()
     command = [sys.executable, "raw_ddp.py", "--num-gpus", 2, *raw_flags(cifar_dir, "--checkpoint-dir", ck)]
     proc = start(command, env=environment("raw", SLOW_SPAWN=spawning))
     wait_for(spawning / "spawned-1")  # rank 0 started, rank 1 not yet
     proc.send_signal(signal.SIGTERM)
-    stopped = finish(proc, 60)
+    stopped = finish(proc, 180)
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
-    assert (
-        stopped.stderr.strip() == "stopped by SIGTERM while the ranks started (1 of 2): nothing trained, nothing saved"
-    )
-    assert not (ck / "checkpoint.pt").exists() and not (spawning / "spawned-2").exists()
+    assert "stopped by a signal at epoch 1, step 1: checkpoint written" in stopped.stderr, stopped.stderr[-3000:]
+    assert (load_checkpoint(ck)["epoch"], load_checkpoint(ck)["step"]) == (0, 1)
 
 
 # ----------------------------------------------------------------------------- item 7: the smaller points
