@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import data_flags, finish, raw_flags, start
+from helpers import data_flags, finish, kill_all, raw_flags, start
 from test_exact_resume import environment
 from test_refusals import DEVICE, TRAINERS, assert_one_error_line, main_in_this_process
 from test_start_up_stop import wait_for
@@ -107,26 +107,30 @@ def test_a_second_run_on_a_held_folder_stops_naming_the_first_until_a_sigkill_fr
     ck = tmp_path / "ck"
     ck.mkdir()
     holder = start([sys.executable, "-u", "-c", HOLD, ck])
-    assert holder.stdout.readline() == "held\n"
-    flags = ["--checkpoint-dir", ck, "--auto-resume"]
-    status, stderr = main_in_this_process(trainer, flags, monkeypatch, capsys)
-    assert status == 2
-    assert_one_error_line(
-        stderr, f"--checkpoint-dir {ck} is in use by the run of pid {holder.pid} on {socket.gethostname()}"
-    )
-    # the run's other processes hold nothing: rank 1 under torchrun or accelerate launch goes on
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    rank_1 = [*DEVICE[trainer], "--checkpoint-dir", str(ck), "--auto-resume"]
-    if trainer == "raw_ddp.py":
-        assert resolve_raw_launch(raw_ddp.parse_args(rank_1))[0].torchrun_local_rank == 1
-    else:
-        assert resolve_accel_launch(accel_train.parse_args(rank_1))[0].checkpoints.directory == str(ck)
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.wait(10)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        flags = ["--checkpoint-dir", ck, "--auto-resume"]
+        status, stderr = main_in_this_process(trainer, flags, monkeypatch, capsys)
+        assert status == 2
+        assert_one_error_line(
+            stderr, f"--checkpoint-dir {ck} is in use by the run of pid {holder.pid} on {socket.gethostname()}"
+        )
+        # the run's other processes hold nothing: rank 1 under torchrun or accelerate launch goes on
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        rank_1 = [*DEVICE[trainer], "--checkpoint-dir", str(ck), "--auto-resume"]
+        if trainer == "raw_ddp.py":
+            assert resolve_raw_launch(raw_ddp.parse_args(rank_1))[0].torchrun_local_rank == 1
+        else:
+            assert resolve_accel_launch(accel_train.parse_args(rank_1))[0].checkpoints.directory == str(ck)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    finally:
+        if holder.poll() is None:  # a failure above
+            kill_all(holder)
     assert goes_on_to_train(trainer, flags, monkeypatch, capsys)  # the OS dropped the lock with its process
 
 
