@@ -242,11 +242,12 @@ def hold_folder(directory):
 
 
 def claim_checkpoint_dir(args, accel: bool, holder: bool):
-    """The run's one `holder` process holds --checkpoint-dir to its end; a fresh run's folder holds no checkpoint."""
+    """The run's one `holder` process holds --checkpoint-dir to its end; a fresh run's folder holds no checkpoint
+    (seen alike by every process: all stop at once)."""
     if args.checkpoint_dir and holder:
         hold_folder(args.checkpoint_dir)
-        if not (args.resume or args.auto_resume):
-            refuse_overwrite(args.checkpoint_dir, accel)
+    if args.checkpoint_dir and not (args.resume or args.auto_resume):
+        refuse_overwrite(args.checkpoint_dir, accel)
 
 
 def check_learning_rates(recipe: Recipe, world_size: int):
