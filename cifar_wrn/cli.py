@@ -231,7 +231,7 @@ def hold_folder(directory):
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks holds nothing
             return
-        holder = os.read(fd, 300).decode("utf-8", "replace").strip()
+        holder = os.read(fd, 300).decode("utf-8", "replace").strip() or "another run"
         raise UserError(
             f"--checkpoint-dir {directory} is in use by {holder}: one run a folder; wait for it to end, or give "
             "another --checkpoint-dir"
