@@ -202,6 +202,18 @@ def other_trainers_checkpoint(directory, accel: bool):
         )
 
 
+def refuse_overwrite(directory, accel: bool):
+    """A run without a resume flag never writes over a checkpoint (as the Hugging Face Trainer guards its folder)."""
+    other_trainers_checkpoint(directory, accel)
+    latest_named(directory)  # a LATEST that names something else: refused as such
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if found := sorted(n for n in names if n in ("checkpoint.pt", LATEST) or STATE_FOLDER.fullmatch(n)):
+        raise CheckpointError(
+            f"--checkpoint-dir {directory} holds a checkpoint ({', '.join(found)}) that a fresh run would overwrite: "
+            "continue it with --auto-resume, or give another --checkpoint-dir"
+        )
+
+
 def load_checkpoint(directory) -> dict:
     path = checkpoint_path(directory)
     if not path.is_file():

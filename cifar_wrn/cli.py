@@ -1,15 +1,20 @@
 """The command line both entry points share, checked before any process group forms."""
 
 import argparse
+import errno
+import fcntl
 import os
+import platform
 import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Literal
 
 import torch
 
-from .checkpoint import check_writable
+from .checkpoint import check_writable, refuse_overwrite
 from .errors import UserError, said_by_one
 from .launchers import CPU_FALLBACK_WARNING, launched_by_torchrun, launcher_world_size, port_is_free
 from .model import COURSE_WIDTH
@@ -164,9 +169,7 @@ def check_training_flags(args, writes_outputs: bool = True):
     at_least_one(args, "train_subset", "val_subset", "model_width")  # the recipe checks --epochs, --batch-size
     if not 0 < args.dist_timeout <= 1e9:  # torch's deadlines: int64 nanoseconds
         raise UserError(f"--dist-timeout must be a number of seconds in (0, 1e+09] (got {args.dist_timeout:g})")
-    for flag, path in (("save", args.save), ("log-json", args.log_json)):
-        if path and writes_outputs and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise UserError(f"--{flag} {path}: the folder does not exist or is not writable")
+    check_output_paths(args, writes_outputs)
     if (args.resume or args.auto_resume) and not args.checkpoint_dir:
         raise UserError("--resume and --auto-resume need --checkpoint-dir")
     if args.resume and args.auto_resume:
@@ -177,6 +180,74 @@ def check_training_flags(args, writes_outputs: bool = True):
         raise UserError(
             "--with-tracking writes TensorBoard events: pip install tensorboard (or the extra: .[tensorboard])"
         )
+
+
+def check_output_paths(args, writes_outputs: bool):
+    """Each output is what it is meant to be (a file, a folder) in a place this process can write, before any
+    process trains; a fresh run's --log-json is new or empty (a resume appends)."""
+    files = (("save", args.save), ("log-json", args.log_json)) if writes_outputs else ()
+    for flag, path in files:
+        if path and os.path.isdir(path):
+            raise UserError(f"--{flag} {path} is a folder: give the path of a file in it")
+        if path:
+            writable_folder(flag, path, Path(path).absolute().parent, created=False)
+    tracking = args.project_dir if args.with_tracking and writes_outputs else None
+    for flag, path in (("trace", args.trace), ("project-dir", tracking), ("checkpoint-dir", args.checkpoint_dir)):
+        if path:
+            writable_folder(flag, path, Path(path).absolute(), created=True)
+    fresh, log = not (args.resume or args.auto_resume), args.log_json
+    if fresh and log and writes_outputs and os.path.isfile(log) and os.path.getsize(log):
+        raise UserError(
+            f"--log-json {log} holds a run's log already, which a fresh run would overwrite: give another path "
+            "(a run resumed with --auto-resume appends to its log)"
+        )
+
+
+def writable_folder(flag: str, path, folder: Path, created: bool):
+    """`folder`, or where `created` the nearest folder above it that exists (the run makes the rest), is a folder
+    this process can write in: tried, as root's permissions pass any test."""
+    while created and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(
+            f"--{flag} {path}: the folder {'is a file' if folder.exists() else 'does not exist'} ({folder})"
+        )
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise UserError(f"--{flag} {path}: {folder} is not writable ({exc.strerror or exc})") from None
+
+
+def hold_folder(directory):
+    """One run a folder: fcntl's POSIX lock on DIR/.lock, which the OS drops when its process ends, however it ends
+    (NFS included); the file names the holder to a second run, which stops."""
+    path = os.path.join(directory, ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never closed: held to the exit
+    except OSError as exc:
+        raise UserError(f"{path} cannot be opened ({exc.strerror}; a symbolic link is refused)") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks holds nothing
+            return
+        holder = os.read(fd, 300).decode("utf-8", "replace").strip() or "another run"
+        raise UserError(
+            f"--checkpoint-dir {directory} is in use by {holder}: one run a folder; wait for it to end, or give "
+            "another --checkpoint-dir"
+        ) from None
+    job = f", Slurm job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else ""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"the run of pid {os.getpid()} on {platform.node()}{job}\n".encode())
+
+
+def claim_checkpoint_dir(args, accel: bool, holder: bool):
+    """The run's one `holder` process holds --checkpoint-dir to its end; a fresh run's folder holds no checkpoint
+    (seen alike by every process: all stop at once)."""
+    if args.checkpoint_dir and holder:
+        hold_folder(args.checkpoint_dir)
+    if args.checkpoint_dir and not (args.resume or args.auto_resume):
+        refuse_overwrite(args.checkpoint_dir, accel)
 
 
 def check_learning_rates(recipe: Recipe, world_size: int):
@@ -199,6 +270,9 @@ def check_launch(args, cuda_device_count: int):
     if args.device == "cuda" and args.num_gpus > cuda_device_count:
         only = f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)"
         raise UserError(only if cuda_device_count else NO_CUDA)
+    # gloo ranks beyond a few a core only take turns (each step waits for the slowest), each with its own memory
+    if args.device == "cpu" and args.num_gpus > (most := 4 * len(os.sched_getaffinity(0))):
+        raise UserError(f"--num-gpus {args.num_gpus} CPU processes: at most {most} here, 4 a core this process may use")
     check_training_flags(args, writes_outputs=args.node_id == 0)
     port = args.master_port
     for flag, missing, why in (
@@ -249,6 +323,7 @@ def resolve_raw_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
         print(warning, file=sys.stderr)
     if recipe.sync_bn and args.device == "cpu":
         raise UserError(NO_SYNC_BN)
+    claim_checkpoint_dir(args, accel=False, holder=args.node_id == 0 and not torchrun_local_rank)
     launch = dict(num_nodes=args.num_nodes, node_id=args.node_id, num_gpus=args.num_gpus)
     launch.update(master_addr=args.master_addr, master_port=args.master_port, torchrun_local_rank=torchrun_local_rank)
     return settings_from(args, **launch), recipe
@@ -285,4 +360,5 @@ def resolve_accel_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
         raise UserError(NO_CUDA)
     if recipe.sync_bn and (cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not cuda):
         raise UserError(NO_SYNC_BN)
+    claim_checkpoint_dir(args, accel=True, holder=os.environ.get("RANK", "0") == "0")
     return settings_from(args, notes, cpu=cpu, cpu_fallback=cpu_fallback), recipe

@@ -1,8 +1,6 @@
 """The datasets the trainers train on, and the recipe's choice of one (data_pipeline): per image, augmented
 by torchvision in the loader (CIFAR10), or the whole split on the device, a batch at a time (DeviceBatches)."""
 
-import math
-
 import numpy
 import torch
 from torch.utils.data import Dataset
@@ -19,10 +17,10 @@ def load_datasets(source, run) -> tuple[Dataset, Dataset]:
     train_data = load_split(source.data_dir, True, source.train_subset)
     val_data = load_split(source.data_dir, False, source.val_subset)
     recipe, images, world_size = run.recipe, len(train_data[1]), run.world_size
-    if math.ceil(images / world_size) < recipe.batch_size:
+    if images < recipe.batch_size * world_size:  # Accelerate's shards: floor(floor(N / batch) / processes) steps
         raise DataError(
             f"{images} training images over {world_size} processes give less than one batch of "
-            f"{recipe.batch_size} per process"
+            f"{recipe.batch_size} per process (0 steps an epoch): at least {recipe.batch_size * world_size} needed"
         )
     recalibration_images(recipe, images, world_size)
     common = dict(normalization=recipe.normalization)

@@ -97,6 +97,12 @@ def _where(node) -> str:
     return f"line {node.start_mark.line + 1}: {node.value if isinstance(node, yaml.ScalarNode) else '...'}"
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line, where and what (YAML's own text spans lines and names "<unicode string>", not the file)."""
+    mark, what = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or str(exc)
+    return (f"line {mark.line + 1}, column {mark.column + 1}: " if mark else "") + " ".join(what.split())
+
+
 def _coerce(key: str, value, source: str):
     if key not in FIELDS:
         raise RecipeError(f"{source}: unknown recipe key '{key}'; known keys: {', '.join(FIELDS)}")
@@ -131,7 +137,7 @@ def load_recipe(name_or_path: str = "baseline", overrides: dict | None = None) -
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        raise RecipeError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of key: value lines")
     values = {key: _coerce(key, value, str(path)) for key, value in raw.items()}

@@ -2,9 +2,11 @@
 a store of its own; raw_ddp.py's parent holds the store and passes stop signals on."""
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import replace
 from datetime import timedelta
 
@@ -21,8 +23,9 @@ def forming_group(rank: int | None, world_size: int | None, timeout: float):
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
     try:
-        own_store_after_a_restart(timeout)
-        yield
+        with c10d_lines_held():
+            own_store_after_a_restart(timeout)
+            yield
     except dist.DistError as exc:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         who = "" if rank is None else f"rank {rank}: "
@@ -32,6 +35,30 @@ def forming_group(rank: int | None, world_size: int | None, timeout: float):
             "every node with the same node count, processes per node, address and port. "
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
         ) from None
+
+
+@contextlib.contextmanager
+def c10d_lines_held():
+    """What this process writes to stderr while the group forms, said after it (or after any other failure): the
+    store's C++ retries (tens of lines, stack traces; TORCH_CPP_LOG_LEVEL would hide every later C++ error too) do
+    not bury the one line of a group that did not form."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        formed = True
+        try:
+            yield
+        except dist.DistError:
+            formed = False  # forming_group says why in one line
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            held.seek(0)
+            if formed and (text := held.read()):
+                os.write(2, text)
 
 
 def own_store_after_a_restart(timeout: float) -> None:
@@ -52,8 +79,8 @@ def own_store_after_a_restart(timeout: float) -> None:
 
 
 class Launcher:
-    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes SIGUSR1/SIGTERM on, exits as the
-    ranks did."""
+    """raw_ddp.py's parent: holds the store as torchrun's agent does, passes stop signals on, exits as the ranks
+    did."""
 
     def __init__(self, settings):
         """settings: cli.Settings; self.settings: the same, with the store's port where none was given."""
@@ -67,14 +94,20 @@ class Launcher:
             signal.signal(signum, self.pass_on)
         # held until wait() knows the ranks, which inherit the mask: held there too, until their handlers are in
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self.held = None  # the stop to pass on
 
     def pass_on(self, signum, frame) -> None:
-        for process in self.processes:
+        """One that comes while mp.spawn starts the ranks (a thread of the store takes it then) goes to those started
+        and, from wait(), to all."""
+        self.held = signal.SIGINT if signal.SIGINT in (signum, self.held) else signal.SIGUSR1
+        for process in self.processes or multiprocessing.active_children():
             if process.is_alive():
-                os.kill(process.pid, signal.SIGUSR1)
+                os.kill(process.pid, self.held)
 
     def wait(self, context) -> None:
         self.processes.extend(context.processes)
+        if self.held:
+            self.pass_on(self.held, None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a stop held since __init__ is passed on now
         try:
             while not context.join(grace_period=10):

@@ -10,23 +10,28 @@ import torch.distributed as dist
 from .errors import RunStopped, run_reporting_failures
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the Slurm scripts requeue on it
+INTERRUPTED_EXIT = 130  # Ctrl-C's, as a shell reports it (128 + SIGINT): not requeued
 CHECK_EVERY = 10  # most steps between agreements: each costs a GPU sync
 STOP_LATENCY = 2.0  # most seconds between agreements where steps allow: Slurm kills 30 s after SIGTERM
 INTERVALS = (10, 5, 2, 1)  # divisors of CHECK_EVERY
 
-_stop_requested = False
+_stop_requested = 0  # 1: a stop (SIGUSR1, SIGTERM), 2: Ctrl-C (SIGINT); after an agreement, the ranks' largest
 
 
-def request_stop(*_) -> None:
+def request_stop(signum=None, frame=None) -> None:
     global _stop_requested
-    _stop_requested = True
+    _stop_requested = max(_stop_requested, 2 if signum == signal.SIGINT else 1)
 
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+def stop_status(saved: bool) -> int:
+    return INTERRUPTED_EXIT if _stop_requested > 1 else PREEMPTED_EXIT if saved else 1
+
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 def install_stop_handlers() -> None:
-    """SIGUSR1 and SIGTERM mean "checkpoint and stop", never "die now"."""
+    """SIGUSR1, SIGTERM and SIGINT (Ctrl-C) mean "checkpoint and stop", never "die now"."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, request_stop)
 
@@ -53,6 +58,8 @@ class StepGuard:
             flags[1 + self.world_size + self.rank] = (monotonic() - self.since[2]) / (step - self.since[1])
         agree(flags)
         agreed = flags.tolist()
+        if agreed[0]:  # every rank exits with the status of the largest stop asked
+            request_stop(signal.SIGINT if agreed[0] > 1 else None)
         self.since = (epoch, step, monotonic())
         seconds_per_step = max(agreed[1 + self.world_size :])  # the slowest rank: every rank picks the same
         if seconds_per_step > 0:
@@ -71,9 +78,9 @@ class StepGuard:
 def preempted(epoch: int, step: int, checkpoint_written: str | None) -> RunStopped:
     where = f"stopped by a signal at epoch {epoch + 1}, step {step + 1}"
     if checkpoint_written is None:
-        return RunStopped(f"{where}; nothing saved (no --checkpoint-dir)", 1)
+        return RunStopped(f"{where}; nothing saved (no --checkpoint-dir)", stop_status(False))
     return RunStopped(
-        f"{where}: checkpoint written to {checkpoint_written}; rerun with --resume to continue", PREEMPTED_EXIT
+        f"{where}: checkpoint written to {checkpoint_written}; rerun with --resume to continue", stop_status(True)
     )
 
 

@@ -63,8 +63,9 @@ def open_run_log(run, progress: Progress, log_json: str | None, recipe_name: str
 
     recipe, layout = run.recipe, f"{launch['num_nodes']}x{launch['num_gpus']}"
     path = run_log_path(log_json, recipe_name, layout, run.trainer.log_prefix) if run.is_main else None
-    resumed = bool(progress.epoch or progress.step)
-    log = JsonLog(path, append=resumed)
+    # a resume flag's run may start afresh on an earlier attempt's log: that run resumed at its start
+    resumed = bool(progress.epoch or progress.step) or bool(path and os.path.isfile(path) and os.path.getsize(path))
+    log = JsonLog(path)
     if path:
         print(f"Run log: {path}", flush=True)
     log.write(
@@ -96,8 +97,8 @@ def open_run_log(run, progress: Progress, log_json: str | None, recipe_name: str
 class JsonLog:
     """Flushed at once: a crash loses nothing written."""
 
-    def __init__(self, path, append: bool = False):
-        self.file = open(path, "a" if append else "w") if path else None
+    def __init__(self, path):
+        self.file = open(path, "a") if path else None  # never truncated: a fresh run's is new or empty (cli.py)
 
     def write(self, record: dict):
         if self.file:

@@ -582,7 +582,7 @@ def test_resumed_run_equals_uninterrupted_run_and_bad_resumes_are_refused(cifar_
     ck = tmp_path / "ck"
     first = launch("--epochs", 2, "--checkpoint-dir", ck, "--log-json", tmp_path / "b.jsonl")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert sorted(p.name for p in ck.iterdir()) == ["LATEST", "state-2"]  # one checkpoint, nothing half-written
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "LATEST", "state-2"]  # one checkpoint, none half-written
     second = launch(
         "--epochs",
         3,

@@ -376,7 +376,7 @@ def test_a_checkpoint_of_the_earlier_model_is_refused_and_kept(cifar_dir, tmp_pa
         assert "an earlier, non-course WideResNet" in result.stderr
     assert raw.returncode == 2 and "Traceback" not in raw.stderr
     assert (ck / "checkpoint.pt").read_bytes() == before and state.read_bytes() == accel_before
-    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.pt"]
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "checkpoint.pt"]  # the runs' lock (one run a folder)
 
 
 # ----------------------------------------------------------------------------- data: every node has it

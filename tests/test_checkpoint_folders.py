@@ -60,12 +60,15 @@ def launch(*runs: tuple) -> list:
 
 
 def snapshot(folder) -> dict:
-    """Every name under `folder` (hidden ones too) -> its bytes, a link's target, or "folder"."""
+    """Every name under `folder` (hidden ones too) -> its bytes, a link's target, or "folder"; but the .lock that
+    a run holding the folder writes (its pid and host)."""
     seen = {}
     for root, dirs, files in os.walk(folder):
         for name in dirs + files:
             path = os.path.join(root, name)
             key = os.path.relpath(path, folder)
+            if key == ".lock":
+                continue
             if os.path.islink(path):
                 seen[key] = ("link", os.readlink(path))
             elif os.path.isdir(path):
@@ -117,8 +120,8 @@ FOLDERS = {  # case -> (trainer, how the folder is made, what the one error line
 def test_a_folder_this_trainer_cannot_resume_from_is_refused_untouched(cifar_dir, tmp_path, case, flag):
     """--auto-resume once started afresh beside the other trainer's checkpoint (or overwrote a LATEST naming a
     missing folder), and --resume said "no checkpoint": a folder reused by hand (CHECKPOINT_DIR=... in
-    docs/slurm.md) must not silently restart. One error line says what the folder holds; exit 2; nothing is
-    written to the folder or removed from it; nothing trains."""
+    docs/slurm.md) must not silently restart. One error line says what the folder holds; exit 2; nothing but its
+    lock is written to the folder or removed from it; nothing trains."""
     trainer, make, message = FOLDERS[case]
     ck = tmp_path / "ck"
     make(ck)

@@ -250,10 +250,10 @@ def test_a_full_disk_stops_every_rank_and_the_previous_checkpoint_resumes(cifar_
     assert result.stdout.count("Epoch = ") == 2  # it stopped at the failed write, not later
     if trainer == "raw":
         assert result.returncode == 2
-        assert sorted(p.name for p in disk.iterdir()) == ["checkpoint.pt"]
+        assert sorted(p.name for p in disk.iterdir()) == [".lock", "checkpoint.pt"]
         assert load_checkpoint(disk)["epoch"] == 1
     else:
-        assert sorted(p.name for p in disk.iterdir()) == ["LATEST", "state-1"]  # the half-written folder removed
+        assert sorted(p.name for p in disk.iterdir()) == [".lock", "LATEST", "state-1"]  # the half-written one removed
         assert read_training_state(disk / "state-1")["epoch"] == 1
     small_disk(checkpoint_bytes(32, momentum=True) * 4)  # room again: the first checkpoint and the next
     resumed = launch("--epochs", 2, "--resume")

@@ -9,7 +9,6 @@ import re
 import sys
 
 import pytest
-import torch
 from helpers import REPO, cpu_env, data_flags, finish, free_port, run, start
 
 from cifar_wrn.report.cli import main
@@ -318,7 +317,6 @@ def course_jobs(cifar_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("course_jobs")
-@pytest.mark.skipif(torch.__version__ < "2.8", reason="the course script's CPU run needs gloo's ReduceOp.AVG: 2.8")
 def test_the_report_of_the_course_scripts_own_jobs_finds_all_eleven_steps(course_jobs):
     """The course job's report command, as README gives it, on the printed logs of real runs."""
     pytest.importorskip("fpdf")
@@ -340,7 +338,6 @@ def test_the_report_of_the_course_scripts_own_jobs_finds_all_eleven_steps(course
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("course_jobs")
-@pytest.mark.skipif(torch.__version__ < "2.8", reason="the course script's CPU run needs gloo's ReduceOp.AVG: 2.8")
 def test_the_same_jobs_reported_with_a_step_removed_name_it(course_jobs, tmp_path):
     lines = DDP.read_text().splitlines()
     mine = tmp_path / "my_cifar10.py"

@@ -1,8 +1,8 @@
 """Put on PYTHONPATH by tests/test_exact_resume.py and test_start_up_stop.py: in every Python process started with it,
 STOP_AT="E,S" asks for a stop in epoch E (1-based) at step S, as a SIGUSR1 arriving then would (the ranks agree
 to stop at their next agreement, checkpoint and exit 75), and LOADER_WORKERS=N gives the loaders N
-DataLoader worker processes on the CPU too (the trainers use workers only on GPUs), and SLOW_START holds each rank
-in its start-up. Nothing in the trainers knows
+DataLoader worker processes on the CPU too (the trainers use workers only on GPUs), SLOW_START holds each rank
+in its start-up, and SLOW_SPAWN holds mp.spawn 5 s after each process it starts. Nothing in the trainers knows
 of it."""
 
 import os
@@ -51,3 +51,16 @@ if os.environ.get("SLOW_START"):  # a folder: each rank writes rank-<r> there as
         return load(source, run)
 
     datasets.load_datasets = slow_load
+
+if os.environ.get("SLOW_SPAWN"):  # a folder: spawned-<n> written after each start, then 5 s
+    import multiprocessing.context
+    import time
+
+    spawn_start = multiprocessing.context.SpawnProcess.start
+
+    def slow_start(self):
+        spawn_start(self)
+        Path(os.environ["SLOW_SPAWN"], f"spawned-{len(multiprocessing.active_children())}").touch()
+        time.sleep(5)
+
+    multiprocessing.context.SpawnProcess.start = slow_start
