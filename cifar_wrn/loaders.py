@@ -38,9 +38,8 @@ class SkipFirst(Sampler):
         return iter(self.indices() if prepared is None else prepared)
 
     def prepare(self) -> None:
-        """This epoch's indices (set_epoch and skip set), copied from pinned memory without a wait."""
-        if getattr(self.batches.sampler.dataset, "device", None) is not None:
-            self.prepared = self.indices(pinned=True)
+        """This epoch's indices (set_epoch and skip set); to a GPU from pinned memory, without a wait."""
+        self.prepared = self.indices(pinned=True)
 
     def indices(self, pinned: bool = False):
         device = getattr(self.batches.sampler.dataset, "device", None)

@@ -67,18 +67,21 @@ def build_optimizer(
     return optimizer(groups, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov, fused=fused or None)
 
 
+BN = torch.nn.modules.batchnorm._BatchNorm
+
+
 def lever_groups(model: torch.nn.Module, recipe: Recipe, lr: float) -> list[dict]:
     """Groups of the levers that are on; muon renormalises only kernels a BatchNorm directly follows."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    norms = [m for m in model.modules() if isinstance(m, BN)]
     groups = []
     if recipe.muon:
         kernels = [p for p in model.parameters() if p.requires_grad and p.ndim == 4]
+        chains = [m for m in model.modules() if isinstance(m, torch.nn.Sequential)]
         followed = {
             id(a.weight)
-            for m in model.modules()
-            if isinstance(m, torch.nn.Sequential)
-            for a, b in zip(m, list(m)[1:])
-            if isinstance(a, torch.nn.Conv2d) and isinstance(b, torch.nn.modules.batchnorm._BatchNorm)
+            for m in chains
+            for a, b in zip(m, m[1:])
+            if isinstance(a, torch.nn.Conv2d) and isinstance(b, BN)
         }
         muon = dict(muon=True, lr=recipe.muon_lr, muon_momentum=recipe.muon_momentum, momentum=0.0, nesterov=False)
         groups += [
@@ -128,7 +131,7 @@ def build_training(run):
     if recipe.compile:  # the model: the entry point, over DDP
         criterion = torch.compile(criterion, mode=recipe.compile_mode)
     ema = build_ema(run.raw_model, recipe.ema_decay, recipe.ema_every) if recipe.ema_decay else None
-    return lr, optimizer, scheduler, criterion, ema, build_step(optimizer, ema, run.raw_model, recipe.compile_optimizer)
+    return lr, optimizer, scheduler, criterion, ema, build_step(run)
 
 
 def compilable(optimizer: torch.optim.Optimizer) -> None:
@@ -140,22 +143,22 @@ def compilable(optimizer: torch.optim.Optimizer) -> None:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
-def build_step(optimizer, ema, model: torch.nn.Module, compiled: bool):
-    """The training step's optimizer.step(), then the EMA's update of `model` where one is due (ema.py); with
-    `compiled` (recipe key compile_optimizer) the two are one torch.compile'd function."""
+def build_step(run):
+    """The training step's run.optimizer.step() (Accelerate's wrapper in accel_train.py), then the EMA's update of
+    raw_model where one is due (ema.py); with compile_optimizer the two are one torch.compile'd function."""
 
     @torch.no_grad()
-    def step(weight: float | None) -> None:
-        optimizer.step()
+    def step(weight) -> None:
+        run.optimizer.step()
         if weight is not None:
-            ema.average(model, weight)
+            run.ema.average(run.raw_model, weight)
 
-    if not compiled:
-        return lambda: step(None if ema is None else ema.due())
+    if not run.recipe.compile_optimizer:
+        return lambda: step(None if run.ema is None else run.ema.due())
     step, held = torch.compile(step), torch.zeros(())  # the weight in a tensor: a float's value would be guarded
 
     def compiled_step() -> None:
-        weight = None if ema is None else ema.due()
+        weight = None if run.ema is None else run.ema.due()
         step(None if weight is None else held.fill_(weight))
 
     return compiled_step

@@ -71,18 +71,19 @@ class Recipe:
     compile_optimizer: bool = False  # optimizer step + EMA, one compiled function
     prefetch_indices: bool = False  # an epoch's batch indices on the device before its clock
 
-    @property
-    def ddp_options(self) -> dict:
-        """DistributedDataParallel's keyword arguments (Accelerate's DistributedDataParallelKwargs take the same)."""
-        return dict(
-            gradient_as_bucket_view=self.ddp_bucket_view,
-            static_graph=self.ddp_static_graph,
-            broadcast_buffers=self.ddp_broadcast_buffers,
-            bucket_cap_mb=self.ddp_bucket_cap_mb,
-        )
-
     tta_flip: bool = False  # changes the metric
     bn_recalibration: int = 0  # images to re-estimate BN stats
+
+    @property
+    def ddp_options(self) -> dict:
+        """DistributedDataParallel's keyword arguments (Accelerate's DistributedDataParallelKwargs take the same);
+        broadcast_buffers only when off: torch 2.14 warns of the name (forward_sync_buffers, which 2.7 lacks)."""
+        options = dict(gradient_as_bucket_view=self.ddp_bucket_view, static_graph=self.ddp_static_graph)
+        return dict(
+            options,
+            bucket_cap_mb=self.ddp_bucket_cap_mb,
+            **({} if self.ddp_broadcast_buffers else {"broadcast_buffers": False}),
+        )
 
 
 CHOICES = dict(

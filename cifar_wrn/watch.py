@@ -70,8 +70,9 @@ class Watch:
         self.bar.close()
         epoch_time = self.seconds()
         compiled = compiled_graphs(self.run.recipe) - self.graphs
-        if compiled and self.run.is_main:
-            print(recompile_warning(compiled, self.progress.epoch + 1), file=sys.stderr, flush=True)
+        if compiled and self.run.is_main:  # a recompile: TORCH_LOGS=recompiles names the guard that failed
+            where = f"inside epoch {self.progress.epoch + 1}'s clock: startup_steps compiles before it"
+            print(f"warning: torch.compile made {compiled} graph(s) {where}", file=sys.stderr, flush=True)
         profile = self.timer.totals()  # also stops --trace's profiler
         self.extras = {}
         if self.profile:  # with DDP's all-reduce time in the epoch, timed again on the last batch
@@ -100,10 +101,3 @@ def compiled_graphs(recipe) -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
-
-
-def recompile_warning(graphs: int, epoch: int) -> str:
-    return (
-        f"warning: torch.compile made {graphs} graph(s) inside epoch {epoch}'s clock, which then times compilation: "
-        "startup_steps compiles before it; TORCH_LOGS=recompiles names the guard that failed"
-    )

@@ -3,11 +3,13 @@ ema_every, prefetch_indices) and the epoch-3 levers back as keys (muon, bn_bias_
 off in the shipped recipes, each computing what it should on the CPU."""
 
 import copy
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import FAST_2_EPOCHS, data_flags, free_port
+from helpers import FAST_2_EPOCHS, TINY, data_flags, free_port
+from helpers import raw_ddp as run_raw
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from cifar_wrn.datasets import DeviceBatches
@@ -181,7 +183,9 @@ def test_ddp_options_reach_ddp_and_accelerate_s_kwargs(tmp_path):
     try:
         model = DistributedDataParallel(WideResNet(width=2), **recipe.ddp_options)
         assert model.broadcast_buffers is False and model.bucket_bytes_cap == 512 * 1024
-        assert DistributedDataParallel(WideResNet(width=2), **Recipe().ddp_options).broadcast_buffers is True
+        with warnings.catch_warnings():  # torch 2.14 deprecates the name broadcast_buffers: not passed by default
+            warnings.simplefilter("error", FutureWarning)
+            assert DistributedDataParallel(WideResNet(width=2), **Recipe().ddp_options).broadcast_buffers is True
     finally:
         dist.destroy_process_group()
     kwargs = DistributedDataParallelKwargs(**recipe.ddp_options).to_kwargs()
@@ -383,15 +387,22 @@ def test_the_exact_levers_change_no_number(cifar_dir, tmp_path, trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["raw", "accel"])
-def test_compiled_training_matches_eager_and_warns_of_compiling_inside_the_clock(cifar_dir, tmp_path, trainer):
-    """compile (the DDP model and the loss, mode max-autotune-no-cudagraphs) and compile_optimizer (the step with
-    the EMA) over 2 epochs without a warm-up: epoch 1 compiles inside its clock and the run says so, epoch 2 makes
-    no graph; the weights stay within 1e-3 of eager training (inductor fuses and reorders the float arithmetic)."""
-    sets = ["compile=true", "compile_mode=max-autotune-no-cudagraphs", "compile_optimizer=true", "startup_steps=0"]
-    _, eager, _ = two_processes(trainer, tmp_path, cifar_dir, "startup_steps=0", epochs=2)
-    result, compiled, _ = two_processes(trainer, tmp_path, cifar_dir, *sets, epochs=2)
+def test_compiled_training_matches_eager_and_warns_of_compiling_inside_the_clock(cifar_dir, tmp_path):
+    """compile (the DDP model and the loss) and compile_optimizer (the step with the EMA), one process, fp32, 2 epochs
+    of 8 steps without a warm-up: epoch 1 compiles inside its clock and the run says so, epoch 2 makes no graph; the
+    weights stay within 1e-4 of eager training's (inductor fuses and reorders the float arithmetic; in bf16 the
+    differences grow to 0.1 over 40 steps). Inductor's C++ on 2 CPU cores: minutes."""
+    runs = []
+    for sets in (["startup_steps=0"], ["startup_steps=0", "compile=true", "compile_optimizer=true"]):
+        out = tmp_path / str(len(sets))
+        out.mkdir()
+        flags = [*data_flags(cifar_dir, train=64), *FAST_2_EPOCHS, "--batch-size", 8, "--set", "precision=fp32"]
+        flags += ["--save", out / "w.pt", "--progress", "off", *[a for s in sets for a in ("--set", s)]]
+        result = run_raw("--num-gpus", 1, *TINY, *flags, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append((result, torch.load(out / "w.pt")))
+    (_, eager), (result, compiled) = runs
     assert "inside epoch 1's clock" in result.stderr and "inside epoch 2's" not in result.stderr
     assert eager.keys() == compiled.keys()
     floats = [k for k in eager if eager[k].is_floating_point()]
-    assert max((eager[k] - compiled[k]).abs().max().item() for k in floats) < 1e-3
+    assert max((eager[k] - compiled[k]).abs().max().item() for k in floats) < 1e-4
