@@ -53,7 +53,7 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
-from accelerate.utils import DDPCommunicationHookType, reduce
+from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
@@ -92,7 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def setup(local_rank: int, settings: Settings, recipe) -> Run:
     # A1.3 Accelerator(): joins the group the launcher formed, with DDP's options and the recipe's precision
     hook = DDPCommunicationHookType.BF16 if recipe.grad_compression == "bf16" else DDPCommunicationHookType.NO
-    ddp_options = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
     loading = DataLoaderConfiguration(
         use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
     )  # A1.5 shuffle
@@ -103,12 +102,15 @@ def setup(local_rank: int, settings: Settings, recipe) -> Run:
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
             dataloader_config=loading,
             step_scheduler_with_optimizer=False,  # the schedule counts one process's steps
-            dynamo_backend="inductor" if recipe.compile else "no",
+            dynamo_plugin=TorchDynamoPlugin(backend="inductor" if recipe.compile else "no", mode=recipe.compile_mode),
             log_with="tensorboard"
             if settings.logging.tracking_dir is not None
             else None,  # beyond R1: trackers opened later
             project_dir=settings.logging.tracking_dir,
-            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options, comm_hook=hook), timeout],  # A1.8 DDP options
+            kwargs_handlers=[
+                DistributedDataParallelKwargs(**recipe.ddp_options, comm_hook=hook),
+                timeout,
+            ],  # A1.8 DDP options
         )
     world_size, rank = accelerator.num_processes, accelerator.process_index  # A1.2 world size and rank
     device = accelerator.device  # A1.7 this process's device
@@ -151,7 +153,7 @@ def build_model(recipe, run: Run) -> None:
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run)
+    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema, run.optimizer_step = build_training(run)
     # A1.8 prepare(): the model in DDP, on its device; its optimizer and schedule wrapped to match
     run.model, run.optimizer, run.scheduler = run.accelerator.prepare(
         run.raw_model, run.optimizer, run.scheduler
@@ -172,9 +174,9 @@ def train_process(local_rank: int, settings: Settings, recipe) -> None:
             return
         watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
-            watch.start_epoch(progress)
             loader = run.trainer.epoch_loader(run.data, epoch, progress.step)  # A1.6: set_epoch, a resume's skip
-            correct = train_epoch(settings, recipe, run, loader, progress, watch)
+            watch.start_epoch(progress)
+            correct = train_epoch(settings, recipe, run, loader, progress, watch)  # A1.6 this epoch's loader
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
             recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
@@ -215,10 +217,8 @@ def train_epoch(settings: Settings, recipe, run: Run, loader, progress, watch) -
         run.accelerator.backward(loss)  # A1.8: DDP all-reduces the gradients during the backward
         if recipe.grad_clip_norm:
             run.accelerator.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)  # A1.8
-        optimizer.step()
+        run.optimizer_step()  # optimizer.step(), then the EMA's update where due (optim.build_step)
         run.scheduler.step()
-        if run.ema is not None:
-            run.ema.update_parameters(run.raw_model)
         if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
             save_and_stop(run, progress, step, correct, watch.seconds(), settings.checkpoints.directory)
     return correct

@@ -145,13 +145,12 @@ def build_model(recipe, run: Run) -> None:
     run.raw_model = raw_model.to(run.device, memory_format=run.layout)  # R1.7
     # R1.8 DistributedDataParallel: each backward all-reduces the gradients: every rank takes the same step
     device_ids = [run.local_rank] if run.device.type == "cuda" else None  # R1.7
-    ddp_options = dict(gradient_as_bucket_view=recipe.ddp_bucket_view, static_graph=recipe.ddp_static_graph)
-    run.model = DDP(run.raw_model, device_ids=device_ids, **ddp_options)  # R1.8
+    run.model = DDP(run.raw_model, device_ids=device_ids, **recipe.ddp_options)  # R1.8
     if recipe.grad_compression == "bf16":  # recipe key grad_compression: all-reduce in bf16
         run.model.register_comm_hook(None, bf16_compress_hook)
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema = build_training(run)
+    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema, run.optimizer_step = build_training(run)
     if recipe.compile:
-        run.model = torch.compile(run.model)
+        run.model = torch.compile(run.model, mode=recipe.compile_mode)  # the loss: build_training
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark  # each shape's fastest convolutions, timed once
     torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
 
@@ -212,10 +211,8 @@ def train_epoch(settings: Settings, recipe, run: Run, loader, progress, watch) -
         loss.backward()  # R1.8: DDP all-reduces the gradients during the backward
         if recipe.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-        optimizer.step()
+        run.optimizer_step()  # optimizer.step(), then the EMA's update where due (optim.build_step)
         run.scheduler.step()
-        if run.ema is not None:
-            run.ema.update_parameters(run.raw_model)
         if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
             save_and_stop(run, progress, step, correct, watch.seconds(), settings.checkpoints.directory)
     return correct

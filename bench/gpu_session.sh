@@ -18,7 +18,7 @@
 # Time, estimated from the 2026-12-01 logs (docs/runs/h200-session-2026-11-30.log: data 12 s, a fast run alone
 # 46-59 s with start-up; docs/runs/h200-sweep-2026-12-01/session-*.log: four at a time, 27 runs in 522 s, a run
 # every ~19 s): fast_alone ~60 s, sync_count ~30 s, startup_off ~35 s, then the sweep gets ~380 s: 9 seeds and the
-# epoch-3 candidates (up to 20 runs; a run the safety net extends by an epoch adds ~3 s of GPU time).
+# epoch-3 candidates (up to 24 runs; a run the safety net extends by an epoch adds ~3 s of GPU time).
 #
 #   git rev-parse --short HEAD        # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_session.sh 1a2b3c4 DATA   # there (device run, timeout_s 600), with that commit and the data
@@ -47,18 +47,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # cifar_wrn from this chec
 # is 0.8267 (10 seeds on one H200); a 3-epoch schedule alone and with lr 0.6, smoothing 0.1 or warmup 0.25 left
 # epoch 2 at 0.825-0.831 (docs/optimizations.md 15; docs/record/optimizations.md). Untried, on top of fast.yaml, seed by seed so that a sweep cut
 # short leaves every line with as many seeds: a shorter (0.98) and a longer (0.995) EMA memory, BatchNorm
-# re-estimated on 20000 images, a lower peak (base_lr 0.3), a 1-epoch warmup. tests/test_seeds.py checks each line.
+# re-estimated on 20000 images, a lower peak (base_lr 0.3), a 1-epoch warmup; and airbench's two (docs/flags.md):
+# Muon on the convolution filters, BatchNorm biases at 16x (64x the base rate) with frozen scales.
+# tests/test_seeds.py checks each line.
 EPOCH3_LEVERS='
 epochs=3 ema_decay=0.98 seed=0
 epochs=3 ema_decay=0.995 seed=0
 epochs=3 bn_recalibration=20000 seed=0
 epochs=3 base_lr=0.3 seed=0
 epochs=3 warmup_epochs=1.0 seed=0
+epochs=3 muon=true seed=0
+epochs=3 bn_bias_lr_scale=16 freeze_bn_scale=true seed=0
 epochs=3 ema_decay=0.98 seed=1
 epochs=3 ema_decay=0.995 seed=1
 epochs=3 bn_recalibration=20000 seed=1
 epochs=3 base_lr=0.3 seed=1
 epochs=3 warmup_epochs=1.0 seed=1
+epochs=3 muon=true seed=1
+epochs=3 bn_bias_lr_scale=16 freeze_bn_scale=true seed=1
 '
 
 check_data() {

@@ -27,18 +27,29 @@ def _as_made(batch):
 
 
 class SkipFirst(Sampler):
-    """A BatchSampler less its first `skip` batches; DeviceBatches' indices go to the device once an epoch."""
+    """A BatchSampler less its first `skip` batches; DeviceBatches' indices go to the device once an epoch, as the
+    epoch starts or, by prepare(), before its clock (recipe key prefetch_indices)."""
 
     def __init__(self, batches):
-        self.batches, self.skip = batches, 0
+        self.batches, self.skip, self.prepared = batches, 0, None
 
     def __iter__(self):
+        prepared, self.prepared = self.prepared, None
+        return iter(self.indices() if prepared is None else prepared)
+
+    def prepare(self) -> None:
+        """This epoch's indices (set_epoch and skip set); to a GPU from pinned memory, without a wait."""
+        self.prepared = self.indices(pinned=True)
+
+    def indices(self, pinned: bool = False):
         device = getattr(self.batches.sampler.dataset, "device", None)
         remaining = itertools.islice(iter(self.batches), self.skip, None)
         if device is None:
             return remaining
         batches = list(remaining)  # drop_last: all of one size
-        return iter(torch.tensor(batches, device=device) if batches else [])
+        if not (pinned and batches and device.type == "cuda"):
+            return torch.tensor(batches, device=device) if batches else []
+        return torch.tensor(batches).pin_memory().to(device, non_blocking=True)
 
     def __len__(self) -> int:
         return len(self.batches) - self.skip

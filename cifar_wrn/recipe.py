@@ -40,6 +40,11 @@ class Recipe:
     label_smoothing: float = 0.0
     grad_clip_norm: float = 0.0  # max global gradient norm
     bn_lr_scale: float = 1.0  # lr multiplier for BN parameters
+    bn_bias_lr_scale: float = 1.0  # extra lr multiplier for BN biases
+    freeze_bn_scale: bool = False  # BN gammas stay at their initial value
+    muon: bool = False  # Muon for the 4-D conv kernels
+    muon_lr: float = 0.24  # kernels' lr with muon (not batch-scaled)
+    muon_momentum: float = 0.6  # kernels' momentum with muon
     # --- numerics and data
     precision: str = "fp32"  # bf16: autocast
     channels_last: bool = False
@@ -54,13 +59,31 @@ class Recipe:
     seed: int = 0  # + rank for augmentation
     # --- levers, 0 = off
     ema_decay: float = 0.0  # evaluate an EMA of the weights
+    ema_every: int = 1  # steps between EMA updates, at decay**ema_every
     ddp_bucket_view: bool = False
+    ddp_broadcast_buffers: bool = True
+    ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     grad_compression: str = "none"
     sync_bn: bool = False
-    compile: bool = False
+    compile: bool = False  # the DDP model and the loss
+    compile_mode: str = "default"  # torch.compile's mode
+    compile_optimizer: bool = False  # optimizer step + EMA, one compiled function
+    prefetch_indices: bool = False  # an epoch's batch indices on the device before its clock
+
     tta_flip: bool = False  # changes the metric
     bn_recalibration: int = 0  # images to re-estimate BN stats
+
+    @property
+    def ddp_options(self) -> dict:
+        """DistributedDataParallel's keyword arguments (Accelerate's DistributedDataParallelKwargs take the same);
+        broadcast_buffers only when off: torch 2.14 warns of the name (forward_sync_buffers, which 2.7 lacks)."""
+        options = dict(gradient_as_bucket_view=self.ddp_bucket_view, static_graph=self.ddp_static_graph)
+        return dict(
+            options,
+            bucket_cap_mb=self.ddp_bucket_cap_mb,
+            **({} if self.ddp_broadcast_buffers else {"broadcast_buffers": False}),
+        )
 
 
 CHOICES = dict(
@@ -71,6 +94,7 @@ CHOICES = dict(
     grad_compression=("none", "bf16"),
     augmentation=("crop_flip", "course"),
     normalization=("cifar", "course"),
+    compile_mode=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
 )
 FIELDS = {f.name: f for f in fields(Recipe)}
 
@@ -168,12 +192,12 @@ def check_recipe(r: Recipe):
     def need(keys, ok, what: str):
         problems.extend(f"{k} {what} (got {getattr(r, k)!r})" for k in keys.split() if not ok(getattr(r, k)))
 
-    need("epochs batch_size patience reference_batch_size eval_batch_size", lambda v: v >= 1, "must be >= 1")
-    need("base_lr bn_lr_scale", lambda v: v > 0, "must be a positive number")
+    need("epochs batch_size patience reference_batch_size eval_batch_size ema_every", lambda v: v >= 1, "must be >= 1")
+    need("base_lr bn_lr_scale bn_bias_lr_scale muon_lr ddp_bucket_cap_mb", lambda v: v > 0, "must be a positive number")
     need("target_accuracy", lambda v: 0 <= v <= 1, "is a fraction between 0 and 1")
     zero_up = "weight_decay warmup_epochs grad_clip_norm extra_epochs startup_steps bn_recalibration num_workers"
     need(zero_up, lambda v: v >= 0, "must be >= 0")
-    need("momentum label_smoothing ema_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    need("momentum label_smoothing ema_decay muon_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
     need("weight_decay", lambda v: v <= FLOAT32_MAX, f"must be at most {FLOAT32_MAX:.2g}, the largest float32")
     need("seed", lambda v: 0 <= v < 2**63, "must be in [0, 2**63)")  # torch's are 64-bit: seed + rank, + epoch
     if r.lr_schedule == "warmup_linear" and r.warmup_epochs > r.epochs:

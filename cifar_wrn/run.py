@@ -59,6 +59,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     criterion: torch.nn.Module | None = None
+    optimizer_step: object = None  # optimizer.step() and the EMA's update (optim.build_step)
     lr: float = 0.0
 
     @property

@@ -29,15 +29,22 @@ def warm_up(run, resumed: bool = False) -> float:
                 loss = run.criterion(run.model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
+            run.optimizer_step()
             run.scheduler.step()
-            if run.ema is not None:
-                run.ema.update_parameters(run.raw_model)
         run.network.eval()
         with torch.no_grad(), torch.autocast(**run.autocast):
             run.network(random_images(recipe.eval_batch_size))
         run.network.train()
     for part, state in zip(parts, saved):
-        part.load_state_dict(state)  # a module copies into the same tensors: DDP and the optimizer keep theirs
+        restore(part, state, in_place=recipe.compile_optimizer)
     optimizer.zero_grad(set_to_none=True)
     return round(synchronized_clock(device) - t0, 3)
+
+
+def restore(part, state: dict, in_place: bool) -> None:
+    """A module copies into its own tensors (DDP and the optimizer keep theirs); `in_place`: an optimizer's state
+    tensors too, as a compiled step guards their identity (optim.compilable made them all before the warm-up)."""
+    if not (in_place and isinstance(part, torch.optim.Optimizer)):
+        return part.load_state_dict(state)
+    tensors = lambda tree: [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    torch._foreach_copy_(tensors(part.state_dict()), tensors(state))

@@ -1,5 +1,6 @@
 """Around the training steps, never in them: warm-up, run log, timing, profiles, bars, stops, tracking."""
 
+import sys
 from pathlib import Path
 
 import torch
@@ -44,7 +45,10 @@ class Watch:
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
 
     def start_epoch(self, progress: Progress):
-        self.progress = progress
+        self.progress, recipe, batches = progress, self.run.recipe, self.run.data.train_batches
+        if recipe.prefetch_indices and batches is not None:
+            batches.prepare()  # the epoch's batch indices on their way to the device, before the clock
+        self.graphs = compiled_graphs(recipe)
         self.t0 = self.timer.start(self.run.device)
         steps = self.run.data.steps_per_epoch
         track = self.tracker and self.tracker.log
@@ -65,6 +69,10 @@ class Watch:
         """The epoch's training time."""
         self.bar.close()
         epoch_time = self.seconds()
+        compiled = compiled_graphs(self.run.recipe) - self.graphs
+        if compiled and self.run.is_main:  # a recompile: TORCH_LOGS=recompiles names the guard that failed
+            where = f"inside epoch {self.progress.epoch + 1}'s clock: startup_steps compiles before it"
+            print(f"warning: torch.compile made {compiled} graph(s) {where}", file=sys.stderr, flush=True)
         profile = self.timer.totals()  # also stops --trace's profiler
         self.extras = {}
         if self.profile:  # with DDP's all-reduce time in the epoch, timed again on the last batch
@@ -84,3 +92,12 @@ class Watch:
         self.log.close()
         if self.tracker:
             self.tracker.close()
+
+
+def compiled_graphs(recipe) -> int:
+    """The graphs torch.compile has made in this process so far (a recompile makes one); 0 without compile."""
+    if not (recipe.compile or recipe.compile_optimizer):
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

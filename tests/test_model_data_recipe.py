@@ -517,7 +517,9 @@ def test_bn_lr_scale_is_checked(value):
         load_recipe("fast", {"bn_lr_scale": value})
 
 
-@pytest.mark.parametrize("key", ["muon", "lookahead_steps", "anneal_epochs", "residual_bn_init", "tta_translate"])
+@pytest.mark.parametrize(
+    "key", ["alternating_flip", "lookahead_steps", "anneal_epochs", "residual_bn_init", "tta_translate"]
+)
 def test_keys_that_left_the_recipe_are_refused_by_name(key):
     """An old recipe or --set with a key whose code left the project (docs/record/optimizations.md, "Where the code
     went") stops with the key named, never silently."""

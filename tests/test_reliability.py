@@ -99,7 +99,8 @@ def test_resume_problems_are_named():
     warm = dict(recipe, lr_schedule="warmup_linear")
     assert "epochs (2 -> 3)" in resume_problem({**checkpoint, "recipe": dict(warm, epochs=2)}, warm, 2, 4)
     # a checkpoint holding a key that left the code (an earlier version's): refused by name, never misread
-    assert "muon (False -> None)" in resume_problem({**checkpoint, "recipe": dict(recipe, muon=False)}, recipe, 2, 4)
+    old = {**checkpoint, "recipe": dict(recipe, lookahead_steps=0)}
+    assert "lookahead_steps (0 -> None)" in resume_problem(old, recipe, 2, 4)
     # a checkpoint older than a recipe key: it was written with that key's default
     assert resume_problem(checkpoint, dict(recipe, bn_lr_scale=1.0), 2, 4) is None
     assert "bn_lr_scale (1.0 -> 2.0)" in resume_problem(checkpoint, dict(recipe, bn_lr_scale=2.0), 2, 4)

@@ -1238,11 +1238,11 @@ def test_a_run_length_cap_under_a_constant_schedule_is_no_optimisation(tmp_path)
 def test_keys_that_left_the_code_are_no_optimisation_at_their_old_defaults(tmp_path):
     """A log written before a recipe key left the code (docs/record/optimizations.md, "Where the code went") carries it
     at the value that meant "off": that is no change from the baseline. Turned on, it was one, and is listed."""
-    retired = {"muon": False, "muon_lr": 0.24, "anneal_epochs": 0.0, "residual_bn_init": 1.0, "crop_padding": 4}
+    retired = {"lookahead_steps": 0, "lookahead_alpha": 0.5, "anneal_epochs": 0.0, "residual_bn_init": 1.0}
     old = read_run(baseline_log(tmp_path / "old.jsonl", 1, 2, TWO[:2], epochs=2, **retired))
     assert optimisations(old) == [] and recipe_changes(old) == [("epochs", "40", "2")]
-    on = read_run(baseline_log(tmp_path / "on.jsonl", 1, 2, TWO[:2], epochs=2, **{**retired, "muon": True}))
-    assert optimisations(on) == [("muon", "(not a key of this code)", "true")]
+    on = read_run(baseline_log(tmp_path / "on.jsonl", 1, 2, TWO[:2], epochs=2, **{**retired, "lookahead_steps": 5}))
+    assert optimisations(on) == [("lookahead_steps", "(not a key of this code)", "5")]
 
 
 @pytest.mark.slow  # pdf_content asks git for the commit
