@@ -10,9 +10,10 @@
 #      foreach shares (bench/gpu_speed.py kernels);
 #   4. ab: REPEATS (default 3) interleaved rounds of fast.yaml as shipped and each line of LEVERS, 2 epochs a run:
 #      each lever's median epoch time and spread against fast.yaml's (bench/gpu_speed.py ab).
-# Time, estimated (no GPU has run it yet): info 5 s, fast ~35 s, kernels ~15 s, ab ~11 s a run (~80 s a round of 7,
-# torch.compile's first run ~60 s more): 2-3 rounds fit; a run that would end past the deadline is not started, and
-# the table says how many ran of each.
+# Time, estimated (no GPU has run it yet): info 5 s, fast ~35 s, kernels ~15 s, ab ~11 s a run (~150 s a round of
+# 13, each torch.compile line's first run ~60 s more): all levers do not fit one call's 5 minutes; split them with
+# ONLY (below), e.g. ONLY='compile' in one call and ONLY='^[^t]' in another. A run that would end past the
+# deadline is not started, and the table says how many ran of each.
 #
 #   git rev-parse --short HEAD     # here: the commit to record (the GPU machine's copy may have no .git)
 #   bash bench/gpu_speed.sh 1a2b3c4 DATA    # there (device run, timeout_s 330), with the data folder (default data)
@@ -36,7 +37,13 @@ LEVERS=(
     "EMA off|--set ema_decay=0"
     "no BatchNorm re-estimation|--set bn_recalibration=0"
     "no start-up warm-up|--set startup_steps=0"
+    "DDP broadcast_buffers off|--set ddp_broadcast_buffers=false"
+    "DDP buckets of 100 MB|--set ddp_bucket_cap_mb=100"
+    "EMA every 5 steps|--set ema_every=5"
+    "batch indices before the clock|--set prefetch_indices=true"
     "torch.compile|--set compile=true"
+    "torch.compile max-autotune-no-cudagraphs|--set compile=true --set compile_mode=max-autotune-no-cudagraphs"
+    "torch.compile + compiled step|--set compile=true --set compile_optimizer=true"
 )
 
 if [ "${1:-}" = --dry-run ]; then

@@ -578,16 +578,19 @@ def test_the_fused_sgd_update_equals_the_per_tensor_loop():
 
 
 def recipe_reads(path) -> set[str]:
-    """The Recipe fields a file reads as attributes of a recipe (`recipe.x`, `run.recipe.x`, `r.x`), outside
-    check_recipe (which reads them to refuse bad values, not to act on them)."""
+    """The Recipe fields a file reads as attributes of a recipe (`recipe.x`, `run.recipe.x`, `r.x`, and `self.x` in
+    the Recipe class's own methods, such as ddp_options), outside check_recipe (which reads them to refuse bad
+    values, not to act on them)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     checks = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "check_recipe"]
     skipped = {id(n) for check in checks for n in ast.walk(check)}
+    own = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "Recipe" for n in ast.walk(c)}
     return {
         node.attr
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in skipped
         if (isinstance(node.value, ast.Name) and node.value.id in ("recipe", "r"))
+        or (isinstance(node.value, ast.Name) and node.value.id == "self" and id(node) in own)
         or (isinstance(node.value, ast.Attribute) and node.value.attr == "recipe")
     }
 
