@@ -105,7 +105,6 @@ REFUSALS = {
     "--out a file": (["good.jsonl", "--out", "taken"], "--out taken: "),
     "--out under a file": (["good.jsonl", "--out", "taken/out"], "--out taken/out: "),
     "--pdf under a file": (["good.jsonl", "--out", "out", "--pdf", "taken/r.pdf"], "--pdf taken/r.pdf: "),
-    "--pdf in no folder": (["good.jsonl", "--out", "out", "--pdf", "nowhere/r.pdf"], "--pdf nowhere/r.pdf: "),
     "--pdf a folder": (["good.jsonl", "--out", "out", "--pdf", "."], "--pdf .: "),
 }
 

@@ -1146,7 +1146,8 @@ def test_the_example_report_is_regenerated_by_its_documented_command(tmp_path):
 
 @pytest.mark.slow  # report.main starts a process inside the project's code
 def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch, capsys):
-    """Over the limit, the compact layout is tried; still over it, the PDF is written with a warning."""
+    """Over the limit, the compact layout is tried; still over it, the PDF is written, then one line naming its
+    longest sections, exit 2."""
     pytest.importorskip("fpdf")
     from cifar_wrn.report import pdf as report_pdf
 
@@ -1155,14 +1156,13 @@ def test_pdf_over_the_page_limit_is_compacted_then_flagged(tmp_path, monkeypatch
     monkeypatch.setattr(report_pdf, "build", lambda *args: built.append(args[3]) or build(*args))
     monkeypatch.setattr(report_pdf, "MAX_PAGES", 1)
     pdf = tmp_path / "r.pdf"
-    assert main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(pdf)]) == 0
+    assert main([str(RUNS / "fast8.jsonl"), "--out", str(tmp_path / "out"), "--no-figures", "--pdf", str(pdf)]) == 2
     assert built == [False, True]  # normal, then compact
     pages, _, images = pdf_text(pdf)
     assert pages > 1 and images == 0  # --no-figures: the PDF says so instead
-    assert (
-        f"wrote {pdf} ({pages} pages); warning: more than the course's 1: report fewer runs at a time"
-        in capsys.readouterr().out
-    )
+    out, err = capsys.readouterr()
+    assert f"wrote {pdf} ({pages} pages)" in out
+    assert f"error: --pdf {pdf}: {pages} pages, more than the course's 1; the longest sections: " in err
 
 
 def test_printed_lines_of_a_run_the_safety_net_extended(tmp_path):

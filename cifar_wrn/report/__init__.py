@@ -7,7 +7,10 @@
 Each input is a run folder (raw_ddp.py writes runs/<recipe>-<nodes>x<procs>-<YYYYmmdd-HHMMSS>/log.jsonl,
 accel_train.py runs/accel-<recipe>-..., a Slurm job runs/<job id>/log.jsonl) or a log file (--log-json
 PATH), or a text log: rank 0's printed epoch lines (a job's train.log, or any file of them; the world size from
-the job's banner or --world-size). It writes DIR/report.md with PNG figures next to it:
+the job's banner or --world-size). A log is checked: a number no run can log (NaN, an accuracy outside [0, 1], a
+negative time) or a header value of another type is refused in one line naming the file and line. It writes
+DIR/report.md with PNG figures next to it (every string from a log escaped), saying first when no run met the
+criterion:
 
 - the DDP steps (R1): the line numbers of each `# R1.<n>` tag of the raw_ddp.py next to this package, or of
   each step in the student's own file (--source: by its tag, or else by its call; the missing ones listed);
@@ -19,8 +22,10 @@ the job's banner or --world-size). It writes DIR/report.md with PNG figures next
   R1.9 aggregation lines with the reduced values, and the recipe's differences from baseline.yaml with
   before/after from the student's own logs (--compare BEFORE AFTER);
 - per run: the header facts, the process topology (text and diagram) and the epoch log as a table;
-- figures (matplotlib, the optional extra `plot`); without it the tables are still written;
-- with `--pdf FILE`, the same in at most 4 pages (fpdf2).
+- figures (matplotlib, the optional extra `plot`); without it the tables are still written; the figures, the
+  time profile and Demonstrate 4 show only the featured run's recipe, data, model and device;
+- with `--pdf FILE`, the same in at most 4 pages (fpdf2); a longer one is written, then its longest sections
+  are named and the exit status is 2.
 
 Every explanation the course asks for is a marked slot, `[you write: ...]`, or the student's own text from
 `--notes notes.yaml` (docs/report-example/notes.yaml shows the form). report.md holds nothing but what the

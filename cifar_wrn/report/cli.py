@@ -7,15 +7,23 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from .content import PdfContent
+from .content import PdfContent, code
 from .demonstrate import demonstrate
-from .featured import criterion_text, featured_text, main_run, printed_lines
+from .featured import (
+    beside_text,
+    criterion_text,
+    featured_group,
+    featured_text,
+    main_run,
+    printed_lines,
+    unmet_text,
+)
 from .logs import Run
 from .markdown import write_report
 from .notes import EXAMPLE_NOTES, NOTES_HELP, read_notes
 from .scaling import scaling
 from .student_source import Source, read_source
-from .tables import resume_text, scaling_section, short_commit, steps
+from .tables import profile_section, resume_text, scaling_section, short_commit, steps
 from .textlog import read_runs
 from .topology import topology_name
 
@@ -87,7 +95,16 @@ def pdf_content(runs: list[Run], notes: dict, compare: list, source: Source | No
     return PdfContent(
         runs=runs,
         run=run,
-        featured=featured_text(runs) or f"The run shown in sections 2 and 4: `{run.label}`.",
+        unmet=unmet_text(runs),
+        featured=" ".join(
+            filter(
+                None,
+                [
+                    featured_text(runs) or f"The run shown in section 2 and Demonstrate 6: {code(run.label)}.",
+                    beside_text(runs),
+                ],
+            )
+        ),
         printed=printed_lines(run),
         criterion=criterion_text(run),
         steps=steps(notes, source),
@@ -95,6 +112,7 @@ def pdf_content(runs: list[Run], notes: dict, compare: list, source: Source | No
         run_commit=short_commit(run.header.get("git_commit", "not logged")),
         resumed=resume_text(run),
         scaling=scaling_section(scaling(runs), runs),
+        profile=profile_section(featured_group(runs)[0]),
         demonstrate=demonstrate(runs, notes, compare, source),
         source=source,
     )
@@ -107,7 +125,7 @@ def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, 
         "accuracy": report.parent / "accuracy_vs_time.png",
         "topology": report.parent / topology_name(main_run(runs).config),
     }
-    pages = write_pdf(
+    pages, sections = write_pdf(
         pdf_content(runs, notes, compare, source),
         args.pdf,
         {k: v for k, v in shown.items() if v in figures} | {"others": [f for f in figures if f not in shown.values()]},
@@ -115,8 +133,13 @@ def _write_pdf(args, argv, runs: list[Run], notes: dict, compare: list, report, 
         args.caption,
         "python -m cifar_wrn.report " + shlex.join(sys.argv[1:] if argv is None else map(str, argv)),
     )
-    warning = f"; warning: more than the course's {MAX_PAGES}: report fewer runs at a time" if pages > MAX_PAGES else ""
-    print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})" + warning)
+    print(f"wrote {args.pdf} ({pages} page{'s' if pages > 1 else ''})")
+    if pages > MAX_PAGES:  # written, so the student sees where: the longest sections, to shorten
+        long = "; ".join(f"{title} ({length:.1f} pages)" for title, length in sections[:3])
+        raise UserError(
+            f"--pdf {args.pdf}: {pages} pages, more than the course's {MAX_PAGES}; the longest sections: {long}: "
+            "shorten their notes, or report fewer runs at a time"
+        )
 
 
 def _writable_folder(flag: str, path: Path, folder: Path) -> None:
@@ -132,16 +155,13 @@ def _writable_folder(flag: str, path: Path, folder: Path) -> None:
 
 
 def check_outputs(out, pdf) -> None:
-    """Where the report writes, checked before anything is: --out a folder it can make or write in, --pdf a
-    file in an existing folder it can write in."""
+    """Where the report writes, checked before anything is: --out a folder, --pdf a file in a folder, each
+    one it can make (the report makes the folders) or write in."""
     _writable_folder("--out", Path(out), Path(out))
     if pdf:
         pdf = Path(pdf)
         if pdf.is_dir():
             raise UserError(f"--pdf {pdf}: is a folder; give a file name (report.pdf)")
-        if not pdf.parent.is_dir():
-            why = "is not a folder" if pdf.parent.exists() else "no such folder"
-            raise UserError(f"--pdf {pdf}: {pdf.parent} {why}")
         _writable_folder("--pdf", pdf, pdf.parent)
 
 

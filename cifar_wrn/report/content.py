@@ -2,7 +2,28 @@
 the student's slots, the R1 steps, and what the PDF shows. markdown.py and pdf.py each lay these out; nothing
 here imports the rest of the report, so pdf.py can read them without an import circle."""
 
+import re
 from dataclasses import dataclass, field
+
+# What markdown would read as markup or HTML in a string from a log (a host name, a file name): < and & as HTML
+# entities, the rest with a backslash; an underscore only where it could start or end emphasis (raw_ddp.py keeps
+# its own), a tilde but before a digit (the report's "~4": about 4).
+MARKUP = re.compile(r"[\\`*<&\[\]|]|~(?!\d)|(?<!\w)_|_(?!\w)")
+ENTITIES = {"<": "&lt;", "&": "&amp;"}
+
+
+def md_text(text) -> str:
+    """A string from a log as markdown text that shows exactly it: markup and HTML escaped, on one line."""
+    return MARKUP.sub(lambda m: ENTITIES.get(m.group(), "\\" + m.group()), str(text).replace("\n", " "))
+
+
+def code(text) -> str:
+    """A string from a log as a markdown code span, whatever backticks it holds (CommonMark: a fence of more
+    backticks than any run in it, and a space inside where it starts or ends with one)."""
+    text = str(text).replace("\n", " ")
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 @dataclass
@@ -82,6 +103,7 @@ class PdfContent:
 
     runs: list
     run: object  # the featured run (logs.Run)
+    unmet: str  # where no run met the criterion, the first words under the title
     featured: str
     printed: list[str]  # what rank 0 printed
     criterion: str
@@ -90,5 +112,6 @@ class PdfContent:
     run_commit: str
     resumed: str
     scaling: Section  # its Table, then the Bullets that explain it
+    profile: Section | None  # the time profile's table, where a run has one
     demonstrate: list[Section]
     source: object = None  # the file quoted (student_source.Source); None: the shipped raw_ddp.py

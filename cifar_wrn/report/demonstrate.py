@@ -4,14 +4,14 @@ explanations as the student's slots."""
 import json
 
 from .changes import optimisations, recipe_changes
-from .content import Section, Table, Text
-from .featured import main_run
+from .content import Section, Table, Text, code, md_text
+from .featured import featured_group, main_run
 from .logs import Run, full_recipe, is_number
 from .notes import EXPLAIN, slot
-from .scaling import differences, mean_images_per_sec, run_time_to_target
-from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, gradient_bytes, shards
+from .scaling import differences, mean_images_per_sec, profile_parts, run_time_to_target
+from .sharding import BUCKET_CAP_MB, FIRST_BUCKET_MB, MIB, accelerate_shards, ddp_buckets, gradient_bytes, shards
 from .student_source import Source, shipped_source
-from .tables import fmt
+from .tables import PROFILE_TITLE, fmt
 
 WALKTHROUGH = "docs/ddp_walkthrough.md"
 NO_COUNTS = "_No {} in these logs (a text log holds none)._"
@@ -23,20 +23,21 @@ def _explain(notes: dict, key: str) -> Text:
 
 def topology_item(runs: list[Run], source: Source) -> Section:
     layouts = "; ".join(
-        f"`{r.label}` draws {r.num_nodes} node(s) x {r.num_gpus} "
+        f"{code(r.label)} draws {r.num_nodes} node(s) x {r.num_gpus} "
         f"{'GPU(s)' if r.header['device'] == 'cuda' else 'CPU process(es)'}, "
         + (f"ranks 0-{r.world_size - 1}" if r.world_size > 1 else "rank 0")
-        + f", {r.header['backend']}"
+        + f", {md_text(r.header['backend'])}"
         for r in runs
     )
     text = (
-        "Each run's layout (the diagrams and text topologies are in its section under Runs): "
+        "Each run's layout (its diagram and text topology: report.md's section of the run; the PDF's section "
+        '"Scaling" shows the featured run\'s): '
         + layouts
         + f". In {source.name}, the ranks (R1.2), the GPU pinning (R1.7) and init_process_group (R1.3). "
         + f"The concepts: {WALKTHROUGH}."
     )
-    code = source.quote(("R1.2", "R1.7", "R1.3"), "dist.init_process_group(")
-    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), code])
+    quoted = source.quote(("R1.2", "R1.7", "R1.3"), "dist.init_process_group(")
+    return Section("D1", "Demonstrate 1: process topology and rank assignment", [Text(text), quoted])
 
 
 def _accelerate_row(r: Run, split: str, n: int, b: int | None) -> list:
@@ -116,7 +117,7 @@ def _gradient_row(r: Run, sent: tuple[int, int]) -> list:
         r.header["model_parameters"],
         "bf16" if r.recipe.get("grad_compression") == "bf16" else "fp32",
         f"{sent[0] / MIB:.1f} MiB",
-        f"~{sent[1]}",
+        ddp_buckets(r) or f"~{sent[1]}",
         f"{2 * (r.world_size - 1) / r.world_size * sent[0] / MIB:.1f} MiB",
         measured,
     ]
@@ -127,8 +128,9 @@ def gradient_sync_item(runs: list[Run], source: Source) -> Section:
     text = (
         "DDP (R1.8) all-reduces every gradient once per step, in buckets, overlapped with backward. "
         "Bytes = parameters x 4 (gradients in the parameters' fp32, also under bf16 autocast; half with "
-        f"grad_compression bf16). Buckets: an estimate from DDP's default caps ({FIRST_BUCKET_MB} MiB "
-        f"first, then {BUCKET_CAP_MB} MiB). A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
+        f"grad_compression bf16). Buckets: counted as DDP fills them, whole gradients in reverse order up to its "
+        f"default caps ({FIRST_BUCKET_MB} MiB first, then {BUCKET_CAP_MB} MiB; ~: an estimate, for another model). "
+        "A ring all-reduce sends 2(N-1)/N of the bytes per rank. "
         "The measured cost is --profile's all-reduce estimate (the last batch's backward with and "
         "without synchronisation, times the steps)."
     )
@@ -163,11 +165,13 @@ def aggregation_item(runs: list[Run], source: Source) -> Section:
     return Section("D4", "Demonstrate 4: aggregating metrics across ranks", blocks)
 
 
-def scaling_item() -> Section:
-    text = (
-        "The scaling table is above (Scaling), computed only between comparable runs; the time profile "
-        "(with --profile) shows where an epoch's time goes."
+def scaling_item(runs: list[Run]) -> Section:
+    profile = (
+        f'the section "{PROFILE_TITLE}" shows where an epoch\'s time goes'
+        if any(profile_parts(r.epochs) for r in runs)
+        else "a run with --profile adds a time profile, where an epoch's time goes"
     )
+    text = f'The scaling table is in the section "Scaling", computed only between comparable runs; {profile}.'
     return Section("D5", "Demonstrate 5: 1 vs N processes, Amdahl's law and the bottleneck", [Text(text)])
 
 
@@ -199,7 +203,7 @@ def compare_blocks(before: Run, after: Run) -> list:
         [f"before: {before.label}", _recipe_change(before, after), *_measures(before)],
         [f"after: {after.label}", "", *_measures(after)],
     ]
-    title = f"**Before/after** (`--compare {before.path} {after.path}`)"
+    title = f"**Before/after** ({code(f'--compare {before.path} {after.path}')})"
     title += f"; **not like for like: they also differ in {'; '.join(other)}**" if other else ""
     return [Text(title + ":"), Table(head, rows)]
 
@@ -208,11 +212,13 @@ def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Ru
     run = main_run(runs)
     changes = optimisations(run)
     if run.text_log:
-        text = f"`{run.label}` is a text log: it holds no recipe, so your changes are yours to name (with --notes)."
+        text = f"{code(run.label)} is a text log: it holds no recipe, so your changes are yours to name (with --notes)."
     elif changes:
-        text = f"The recipe keys where `{run.label}`'s recipe differs from recipes/baseline.yaml in what it computes:"
+        text = (
+            f"The recipe keys where {code(run.label)}'s recipe differs from recipes/baseline.yaml in what it computes:"
+        )
     else:
-        text = f"None: `{run.label}` trained with the baseline recipe, unchanged."
+        text = f"None: {code(run.label)} trained with the baseline recipe, unchanged."
     blocks: list = [Text(text)]
     if changes:
         rows = [[key, base, used, slot(notes, "optimisations", key, "why")] for key, base, used in changes]
@@ -222,7 +228,7 @@ def optimisations_item(runs: list[Run], notes: dict, compare: list[tuple[Run, Ru
         blocks.append(
             Text(
                 "Not optimisations (they set how long the run goes, when it stops or its random seed, not what "
-                "it computes): " + "; ".join(f"{key} {base} -> {used}" for key, base, used in other) + "."
+                "it computes): " + "; ".join(md_text(f"{key} {base} -> {used}") for key, base, used in other) + "."
             )
         )
     for before, after in compare:
@@ -245,8 +251,8 @@ def demonstrate(runs: list[Run], notes: dict, compare: list[tuple[Run, Run]], so
         (topology_item(runs, source), "topology"),
         (partitioning_item(runs, source), "partitioning"),
         (gradient_sync_item(runs, source), "gradient_sync"),
-        (aggregation_item(runs, source), "aggregation"),
-        (scaling_item(), "scaling"),
+        (aggregation_item(featured_group(runs)[0], source), "aggregation"),
+        (scaling_item(runs), "scaling"),
         (optimisations_item(runs, notes, compare), "optimisations"),
     ]
     for section, key in items:

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+from .content import code
 from .logs import Run
 from .scaling import differences, run_stop, run_time_to_target
 
@@ -27,12 +28,21 @@ def _why_not(other: Run, run: Run, runs: list[Run]) -> str:
     _, paired, met = _standing(run, runs)
     _, other_paired, other_met = _standing(other, runs)
     if paired and not other_paired:
-        return f"`{other.label}` (no comparable 1-process run)"
+        return f"{code(other.label)} (no comparable 1-process run)"
     if met and not other_met:
-        return f"`{other.label}` (did not meet the criterion)"
+        return f"{code(other.label)} (did not meet the criterion)"
     if len(other.epochs) < len(run.epochs):
-        return f"`{other.label}` (fewer epochs)"
-    return f"`{other.label}` (equal standing: the first by path)"
+        return f"{code(other.label)} (fewer epochs)"
+    return f"{code(other.label)} (equal standing: the first by path)"
+
+
+def featured_group(runs: list[Run]) -> tuple[list[Run], list[str]]:
+    """The runs set side by side with the featured one (the figures, the time profile, Demonstrate 4): those of
+    its recipe, data, model and device (any process count); and each other one, with what differs."""
+    run = main_run(runs)
+    group = [r for r in runs if r is run or not differences([run, r])]
+    others = [f"{code(r.label)} ({'; '.join(map(str, differences([run, r])))})" for r in runs if r not in group]
+    return group, others
 
 
 def featured_text(runs: list[Run]) -> str:
@@ -46,9 +56,23 @@ def featured_text(runs: list[Run]) -> str:
     why += ["met the criterion"] if met else ["did not meet the criterion"]
     others = [_why_not(o, run, runs) for o in runs if o is not run and o.world_size == run.world_size]
     return (
-        f"The featured run (its epoch log and Demonstrate 6): `{run.label}`: {', '.join(why)}"
+        f"The featured run (its epoch log and Demonstrate 6): {code(run.label)}: {', '.join(why)}"
         + (f"; chosen over {', '.join(others)}" if others else "")
         + "."
+    )
+
+
+def beside_text(runs: list[Run]) -> str:
+    """Which runs the figures, the time profile and Demonstrate 4 set beside the featured one, and which not
+    (another recipe, data, model or device), with what differs; '' when all are."""
+    run = main_run(runs)
+    group, apart = featured_group(runs)
+    if not apart:
+        return ""
+    beside = ", ".join(code(r.label) for r in group if r is not run) or "none"
+    return (
+        f"Set beside {code(run.label)} in the figures, the time profile and Demonstrate 4 (its recipe, data, model "
+        f"and device): {beside}; not {', '.join(apart)}."
     )
 
 
@@ -67,19 +91,30 @@ def printed_lines(run: Run) -> list[str]:
     budget = run.recipe.get("epochs")
     ended = run.epochs and "safety_net" not in run.epochs[-1]  # the net fired there: the run went on
     if stopped or (isinstance(budget, int) and ended and run.epochs[-1]["epoch"] >= budget):
+        last = run.epochs[-1]["epoch"]
         recipe = SimpleNamespace(
             target_accuracy=run.target,
             patience=run.patience,
-            epochs=budget,
+            epochs=budget if isinstance(budget, int) else last,  # a log that lacks it: no epoch past a budget
             extra_epochs=run.recipe.get("extra_epochs", 0),
         )  # logs from before the safety net: 0
-        last = run.epochs[-1]["epoch"]
         lines.append(final_text(last if stopped else None, last, recipe))
     return lines
 
 
 def rule_text(run: Run) -> str:
     return f"validation accuracy >= {run.target} for {run.patience} epoch(s) in a row"
+
+
+def unmet_text(runs: list[Run]) -> str:
+    """The report's first words where no run met its stopping criterion ('' where one did)."""
+    if any(run_stop(r) is not None for r in runs):
+        return ""
+    rules = "; ".join(dict.fromkeys(rule_text(r) for r in runs))
+    return (
+        f"**No run here meets the stopping criterion** ({rules}): no time to target, the speedup is by images/sec "
+        "alone, and the course's runs must meet it."
+    )
 
 
 def criterion_text(run: Run) -> str:

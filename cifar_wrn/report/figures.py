@@ -109,17 +109,18 @@ class Figures:
         return path in self.written
 
 
-def draw_figures(runs: list[Run], out_dir: Path, wanted: bool) -> Figures:
-    """Every figure of the report into out_dir, or none (and why) without matplotlib or when not `wanted`."""
+def draw_figures(runs: list[Run], shown: list[Run], out_dir: Path, wanted: bool) -> Figures:
+    """Every figure of the report into out_dir, or none (and why) without matplotlib or when not `wanted`: the
+    accuracy, images/sec and profile of the runs `shown` side by side, the topology of each of `runs`."""
     mpl = load_matplotlib() if wanted else None
     if not mpl:
         return Figures(skipped=f"matplotlib is missing ({INSTALL_HINT})" if wanted else "--no-figures was given")
     figures = Figures()
-    with_epochs = [r for r in runs if r.epochs]
+    with_epochs = [r for r in shown if r.epochs]
     if with_epochs:
         figures.written.append(plot_accuracy(mpl, with_epochs, out_dir / "accuracy_vs_time.png"))
         figures.written.append(plot_throughput(mpl, with_epochs, out_dir / "images_per_sec.png"))
-    profile_png = plot_profile(mpl, runs, out_dir / "profile.png")
+    profile_png = plot_profile(mpl, shown, out_dir / "profile.png")
     if profile_png:
         figures.written.append(profile_png)
     for run in runs:

@@ -7,6 +7,7 @@ Anything else in one file (another run's header) is refused, naming the line.
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,16 @@ HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
 EPOCH_FIELDS = ("epoch", "cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy")
 HINT = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
 RUN_LOG = "log.jsonl"  # the trainers' log in a run folder: runs/<name>/log.jsonl
+# The type of each header entry the report reads (beyond the counts _check_header checks): anything else is refused.
+HEADER_TYPES = {
+    **dict.fromkeys(("backend", "device", "hostname", "git_commit", "torch_version", "started_at"), str),
+    **dict.fromkeys(("trainer", "launcher", "architecture"), str),
+    **dict.fromkeys(("per_device_batch_size", "global_batch_size", "steps_per_epoch", "model_width"), int),
+    **dict.fromkeys(("train_images", "val_images", "model_parameters"), int),
+    **dict.fromkeys(("lr", "startup_seconds"), float),
+}
+# What an epoch record's numbers can be: accuracies are fractions, times, rates and losses are not negative.
+FRACTIONS = ("val_accuracy", "train_accuracy")
 TEXT_LOG = "train.log"  # a Slurm job's printed lines: runs/<job id>/train.log (textlog.py reads it)
 
 
@@ -162,10 +173,32 @@ def _records(path: Path):
         yield number, record
 
 
+def _check_value(where: str, what: str, value, fraction: bool = False) -> None:
+    """A LogError unless `value` is a finite number, not negative (a fraction: in [0, 1])."""
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (fraction and value > 1):
+        wanted = "a fraction in [0, 1]" if fraction else "a finite number >= 0"
+        raise LogError(f"{where}: {what} must be {wanted} (got {value!r})")
+
+
+def _check_types(where: str, record: dict) -> None:
+    """Every header entry the report reads of the type the trainers write, its numbers finite."""
+    for key, kind in HEADER_TYPES.items():
+        value = record.get(key)
+        if value is None:
+            continue
+        if not (is_number(value) if kind is float else isinstance(value, kind) and not isinstance(value, bool)):
+            raise LogError(
+                f"{where}: header {key} must be {'a number' if kind is float else kind.__name__}: got {value!r}"
+            )
+        if kind is not str:
+            _check_value(where, f"header {key}", value)
+
+
 def _check_header(where: str, record: dict) -> None:
     missing = [k for k in HEADER_FIELDS if k not in record]
     if missing:
         raise LogError(f"{where}: the header lacks {', '.join(missing)}")
+    _check_types(where, record)
     for key in ("world_size", "num_nodes", "num_gpus"):
         if not isinstance(record[key], int) or isinstance(record[key], bool) or record[key] < 1:
             raise LogError(f"{where}: header {key} must be a positive integer (got {record[key]!r})")
@@ -181,6 +214,7 @@ def _check_header(where: str, record: dict) -> None:
         or not isinstance(recipe.get("patience"), int)
     ):
         raise LogError(f"{where}: the header has no recipe with target_accuracy and patience")
+    _check_value(where, "the recipe's target_accuracy", recipe["target_accuracy"], fraction=True)
     at = record.get("resumed_at")
     if at is not None and not (
         isinstance(at, dict)
@@ -266,6 +300,13 @@ def _check_epoch(where: str, record: dict, epochs: dict[int, dict]) -> None:
     bad = [k for k in EPOCH_FIELDS if not is_number(record.get(k))]
     if bad:
         raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
+    for key in EPOCH_FIELDS[1:] + ("train_accuracy", "comm_estimate"):
+        if key in record:
+            _check_value(where, key, record[key], fraction=key in FRACTIONS)
+    profile = record.get("profile")
+    for key, value in profile.items() if isinstance(profile, dict) else ():
+        if is_number(value):  # other entries are left alone (a newer trainer's)
+            _check_value(where, f"profile {key}", value)
     if not isinstance(record["epoch"], int) or record["epoch"] < 1:
         raise LogError(f"{where}: the epoch record's epoch must be a whole number >= 1 (got {record['epoch']!r})")
     if epochs and record["epoch"] <= max(epochs):

@@ -1,11 +1,12 @@
 """report.md: the report's sections laid out as markdown, with the figures next to it."""
 
+import re
 from pathlib import Path
 
 from ..errors import UserError
-from .content import Bullets, Code, Image, Section, Table, Text
+from .content import Bullets, Code, Image, Section, Slot, Table, Text, code, md_text
 from .demonstrate import demonstrate
-from .featured import featured_text
+from .featured import beside_text, featured_group, featured_text, unmet_text
 from .figures import Figures, draw_figures
 from .logs import Run, label_runs
 from .scaling import scaling
@@ -14,8 +15,9 @@ from .tables import epoch_table, header_facts, profile_section, scaling_section,
 from .topology import topology_text
 
 
-def md_cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+def md_cell(cell) -> str:
+    """A table cell: a value (from a log) escaped; the student's own text as they wrote it, on one line."""
+    return str(cell).replace("|", "\\|").replace("\n", " ") if isinstance(cell, Slot) else md_text(cell)
 
 
 def md_table(head: list, rows: list[list]) -> str:
@@ -27,13 +29,15 @@ def md_table(head: list, rows: list[list]) -> str:
 def block_lines(block) -> list[str]:
     """One block as markdown lines, a blank line after it."""
     if isinstance(block, Section):
-        return [f"{'#' * block.level} {block.title}", ""] + blocks_markdown(block.blocks)
+        return [f"{'#' * block.level} {md_text(block.title)}", ""] + blocks_markdown(block.blocks)
     if isinstance(block, Text):
         return [block.text, ""]
     if isinstance(block, Table):
         return [md_table(block.head, block.rows), ""]
     if isinstance(block, Code):
-        return ["```", *block.lines, "```", ""]
+        runs = [len(run) for line in block.lines for run in re.findall("`+", line)]
+        fence = "`" * max([3] + [n + 1 for n in runs])  # longer than any run of backticks in the lines
+        return [fence, *block.lines, fence, ""]
     if isinstance(block, Bullets):
         return [f"- {item}" for item in block.items] + [""]
     if isinstance(block, Image):
@@ -45,11 +49,22 @@ def blocks_markdown(blocks: list) -> list[str]:
     return [line for block in blocks for line in block_lines(block)]
 
 
+def _what(run: Run) -> str:
+    """'docs/x.jsonl: 2 processes on cpu, 1600 training images': the log and what ran, in a few words."""
+    images = run.header.get("train_images")
+    return (
+        f"{md_text(run.path)}: {run.world_size} process{'es' if run.world_size > 1 else ''} on "
+        + md_text(run.header["device"])
+        + (f", {images} training images" if images else "")
+    )
+
+
 def _opening(runs: list[Run], figures: Figures, out_dir: Path) -> list:
     """The title, the runs, the featured one, the figures (or why none), and what is the student's to write."""
-    blocks: list = [Text(f"{len(runs)} run(s): " + ", ".join(f"`{r.label}` ({r.path})" for r in runs) + ".")]
+    blocks: list = [Text(unmet_text(runs))] if unmet_text(runs) else []
+    blocks += [Text(f"{len(runs)} run(s): " + ", ".join(f"{code(r.label)} ({_what(r)})" for r in runs) + ".")]
     if len(runs) > 1:
-        blocks.append(Text(featured_text(runs)))
+        blocks += [Text(text) for text in (featured_text(runs), beside_text(runs)) if text]
     if figures.skipped is None:
         profile = ", [time profile](profile.png)" if figures.has(out_dir / "profile.png") else ""
         blocks.append(
@@ -88,7 +103,7 @@ def steps_section(notes: dict, source: Source) -> Section:
 def run_section(run: Run, figures: Figures) -> Section:
     """One run: its log, header facts, topology (text and diagram), epoch log and notes on the log."""
     blocks: list = [
-        Text(f"Log: `{run.path}`"),
+        Text(f"Log: {code(run.path)}"),
         Table(["", ""], header_facts(run)),
         Text("Process topology:"),
         Code(topology_text(*run.config).split("\n")),
@@ -107,7 +122,7 @@ def report_blocks(runs: list[Run], figures: Figures, out_dir: Path, notes: dict,
     if figures.skipped is None and any(r.epochs for r in runs):
         blocks.append(Image("accuracy_vs_time.png", "validation accuracy against Cumulative Time"))
         blocks.append(Image("images_per_sec.png", "images/sec per epoch"))
-    profile = profile_section(runs)
+    profile = profile_section(featured_group(runs)[0])
     if profile:
         if figures.skipped is None:
             profile.blocks.append(Image("profile.png", "time profile per run"))
@@ -136,7 +151,7 @@ def write_report(
     label_runs(runs)
     for pair in compare:  # named apart from the reported runs: a before/after may be one of them
         label_runs(list(pair))
-    drawn = draw_figures(runs, out_dir, figures)
+    drawn = draw_figures(runs, featured_group(runs)[0], out_dir, figures)
     lines = ["# Training report", ""] + blocks_markdown(
         report_blocks(runs, drawn, out_dir, notes or {}, list(compare), source or shipped_source())
     )

@@ -14,6 +14,7 @@ fpdf2's one object with tables and PNGs built in keeps this file short, its core
 (a small PDF), and the PDF's text stays extractable, so the tests read it back (pypdf).
 """
 
+import re
 from pathlib import Path
 
 from ..errors import UserError
@@ -83,12 +84,22 @@ def _document(FPDF):
     pdf.set_title("Course report: distributed data-parallel training of a WideResNet on CIFAR-10")
     pdf.set_creator("python -m cifar_wrn.report (cifar-wrn-ddp)")
     pdf.add_page()
+    pdf.starts = [("the opening (title, runs, caption)", 1, pdf.get_y())]
     return pdf
+
+
+def section_pages(pdf) -> list[tuple[str, float]]:
+    """(heading, pages) of each section of a built document, longest first: from its heading to the next."""
+    body = pdf.h - pdf.t_margin - pdf.b_margin
+    ends = pdf.starts[1:] + [("", pdf.page_no(), pdf.get_y())]
+    spans = [(title, end[1] - page + (end[2] - y) / body) for (title, page, y), end in zip(pdf.starts, ends)]
+    return sorted(spans, key=lambda span: -span[1])
 
 
 def _heading(pdf, text: str) -> None:
     if pdf.get_y() > pdf.h - 40:  # never a heading alone at the foot of a page
         pdf.add_page()
+    pdf.starts.append((text, pdf.page_no(), pdf.get_y()))  # where each section starts: section_pages
     pdf.ln(2)
     pdf.set_font("Helvetica", "B", 11.5)
     pdf.set_text_color(*DARK)
@@ -255,8 +266,19 @@ def _blocks(pdf, lay: Layout, blocks: list) -> None:
             raise TypeError(f"not a block of the report: {block!r}")
 
 
+# markdown's code spans, escapes and bold (content.code, md_text): what the PDF shows is their text
+MARKDOWN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)|\\([!-/:-@\[-`{-~])|&(lt|amp);|\*\*")
+
+
+def _unmarked(match) -> str:
+    if match.group(1):
+        inner = match.group(2)
+        return inner[1:-1] if len(inner) > 2 and inner[0] == inner[-1] == " " else inner
+    return match.group(3) or {"lt": "<", "amp": "&"}.get(match.group(4), "")
+
+
 def _plain(markdown: str) -> str:
-    return markdown.replace("**", "").replace("`", "")
+    return MARKDOWN.sub(_unmarked, markdown)
 
 
 def _opening(pdf, lay: Layout, content: PdfContent, command: str, caption: str | None) -> None:
@@ -265,6 +287,8 @@ def _opening(pdf, lay: Layout, content: PdfContent, command: str, caption: str |
     pdf.set_text_color(*DARK)
     title = "Distributed data-parallel training of a WideResNet on CIFAR-10: report"
     pdf.multi_cell(0, 7, title, new_x="LMARGIN", new_y="NEXT", align="L")
+    if content.unmet:
+        _text(pdf, lay, _plain(content.unmet), "B", RED)
     _text(pdf, lay, f"Made by: {command}", color=GREY, size=lay.table)
     runs = ", ".join(f"{r.label} ({r.path})" for r in content.runs)
     _text(pdf, lay, f"From the run logs {runs}. " + _plain(content.featured), color=GREY)
@@ -323,7 +347,7 @@ def _epoch_log(pdf, lay: Layout, content: PdfContent) -> None:
 
 def _scaling(pdf, lay: Layout, section: Section, figures: dict, skipped: str | None) -> None:
     """R3's third part: the scaling table, what it means, and the figures."""
-    _heading(pdf, "3. One process against N: speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law")
+    _heading(pdf, f"3. {section.title}")
     for block in section.blocks:
         if isinstance(block, Table):
             _table(pdf, lay, block.head, block.rows, size=lay.table - 0.7)
@@ -342,14 +366,15 @@ def build(content, figures: dict, skipped: str | None, compact: bool, command: s
     _steps(pdf, lay, content)
     _epoch_log(pdf, lay, content)
     _scaling(pdf, lay, content.scaling, figures, skipped)
+    _blocks(pdf, lay, [content.profile] if content.profile else [])
     _blocks(pdf, lay, content.demonstrate)
     return pdf
 
 
-def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | None = None, command: str = "") -> int:
-    """Write the report to `path`; its number of pages. Tries the normal sizes, then the compact ones when
-    the normal need more than MAX_PAGES (many runs, many recipe changes). `command`: what made it, shown in
-    full on page 1."""
+def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | None = None, command: str = ""):
+    """Write the report to `path`; its number of pages and section_pages. Tries the normal sizes, then the
+    compact ones when the normal need more than MAX_PAGES (many runs, many recipe changes). `command`: what made
+    it, shown in full on page 1."""
     path = Path(path)
     command = command or "python -m cifar_wrn.report " + " ".join(str(r.path) for r in content.runs)
     for compact in (False, True):
@@ -357,7 +382,8 @@ def write_pdf(content, path, figures: dict, skipped: str | None, caption: str | 
         if pdf.page_no() <= MAX_PAGES:
             break
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         pdf.output(str(path))
     except OSError as exc:
         raise UserError(f"--pdf {path}: cannot write ({exc.strerror or exc})") from None
-    return pdf.page_no()
+    return pdf.page_no(), section_pages(pdf)

@@ -6,9 +6,13 @@ import json
 import math
 from dataclasses import dataclass
 
+from .content import code, md_text
 from .logs import Run, full_recipe, is_number
 
 AMDAHL_GPUS = (2, 4, 8)  # the GPU counts Amdahl's law is asked about
+# Fewer steps an epoch and the first and last (the loader's start, the first all-reduce, the short batch) are over
+# a tenth of it: its times say little of the steady training a speedup is about.
+MIN_STEPS = 20
 # Header entries that must agree for a speedup to compare like with like (log_format: a text log's, textlog.py).
 COMPARABLE = ("recipe", "train_images", "val_images", "model_width", "model_parameters", "device", "log_format")
 # The recipe keys of the stopping rule: compared as in force at the target (run_rule), not as the first header's.
@@ -141,9 +145,9 @@ def differences(runs: list[Run]) -> list[Difference]:
             continue
         if key == "recipe" and all(isinstance(v, dict) for v in values):
             keys = sorted({k for v in values for k in v if len({json.dumps(x.get(k)) for x in values}) > 1})
-            out.append(Difference(key, "recipe (" + ", ".join(keys) + ")"))
+            out.append(Difference(key, "recipe (" + ", ".join(map(md_text, keys)) + ")"))
         else:
-            out.append(Difference(key, f"{key} ({' vs '.join(dict.fromkeys(map(str, values)))})"))
+            out.append(Difference(key, f"{key} ({' vs '.join(dict.fromkeys(map(md_text, values)))})"))
     rule = _rule_difference(runs)
     if rule:  # after the rest of the recipe
         out.insert(1 if out and out[0].key == "recipe" else 0, rule)
@@ -176,9 +180,10 @@ def _pair(rows: list[dict], singles: list[Run]) -> list[str]:
         if row["p"] > 1:
             row["reference"] = next((s for s in singles if not differences([s, row["run"]])), None)
             if row["reference"] is None:
+                differ = "; ".join(map(str, differences([singles[0], row["run"]])))
                 notes.append(
-                    f"**`{row['run'].label}` is not compared with a 1-process run**: against "
-                    f"`{singles[0].label}` it differs in {'; '.join(map(str, differences([singles[0], row['run']])))}"
+                    f"**{code(row['run'].label)} is not compared with a 1-process run**: against "
+                    f"{code(singles[0].label)} it differs in {differ}"
                     f", so no speedup, efficiency, Karp-Flatt or Amdahl is computed for it. Run the same "
                     f"recipe on the same data and device with 1 process."
                 )
@@ -205,7 +210,7 @@ def _karp_flatt_and_amdahl(row: dict, s: float) -> list[str]:
     notes = []
     if s < 1:
         notes.append(
-            f"**Flag: `{row['run'].label}` is slower than `{row['reference'].label}`** (speedup "
+            f"**Flag: {code(row['run'].label)} is slower than {code(row['reference'].label)}** (speedup "
             f"{s:.3f} < 1): {row['p']} processes trained fewer images per second than one."
         )
     if s > 0:
@@ -214,7 +219,7 @@ def _karp_flatt_and_amdahl(row: dict, s: float) -> list[str]:
             row["amdahl"] = {n: amdahl_speedup(e, n) for n in AMDAHL_GPUS}
         else:
             notes.append(
-                f"**Flag: `{row['run'].label}`'s serial fraction e = {e:.4f} is outside [0, 1]** "
+                f"**Flag: {code(row['run'].label)}'s serial fraction e = {e:.4f} is outside [0, 1]** "
                 + ("(a speedup above p: superlinear, or noise)" if e < 0 else "(a speedup below 1)")
                 + ": it is no serial fraction Amdahl's law can use, so no Amdahl predictions."
             )
@@ -249,6 +254,16 @@ def scaling(runs: list[Run]) -> Scaling:
         if row["p"] > 1:
             notes += _karp_flatt_and_amdahl(row, s)
     return Scaling(rows, basis, singles[0], notes)
+
+
+def short_runs(runs: list[Run]) -> list[str]:
+    """A warning for each run with fewer than MIN_STEPS steps an epoch (as its header logs them)."""
+    return [
+        f"**Warning: {code(r.label)} has {r.header['steps_per_epoch']} steps an epoch**, too few for its times to "
+        f"mean anything (start-up and the last batch weigh on every epoch): give it at least {MIN_STEPS}."
+        for r in runs
+        if isinstance(r.header.get("steps_per_epoch"), int) and r.header["steps_per_epoch"] < MIN_STEPS
+    ]
 
 
 def profile_parts(epochs: list[dict]) -> dict[str, float]:

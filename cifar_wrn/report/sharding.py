@@ -61,3 +61,24 @@ def gradient_bytes(run: Run) -> tuple[int, int] | None:
     grads = params * 4
     buckets = 1 + math.ceil(max(0, grads - FIRST_BUCKET_MB * MIB) / (BUCKET_CAP_MB * MIB))
     return grads // (2 if run.recipe.get("grad_compression") == "bf16" else 1), buckets
+
+
+def ddp_buckets(run: Run) -> int | None:
+    """DDP's buckets for the course's model of the header's width, counted as DDP fills them (its
+    _compute_bucket_assignment_by_size): whole gradients in reverse order, a bucket closed once it reaches its
+    cap (the first FIRST_BUCKET_MB, then BUCKET_CAP_MB); None for another model (gradient_bytes estimates)."""
+    import torch
+
+    from ..model import ARCHITECTURE, WideResNet
+
+    width = run.header.get("model_width")
+    if run.header.get("architecture") != ARCHITECTURE or not isinstance(width, int):
+        return None
+    with torch.device("meta"):  # shapes only: no memory, no time
+        sizes = [p.numel() * 4 for p in WideResNet(width=width).parameters()]
+    buckets, filled = 0, 0
+    for size in reversed(sizes):
+        filled += size
+        if filled >= (FIRST_BUCKET_MB if buckets == 0 else BUCKET_CAP_MB) * MIB:
+            buckets, filled = buckets + 1, 0
+    return buckets + (filled > 0)

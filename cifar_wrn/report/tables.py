@@ -7,7 +7,7 @@ import re
 from .content import Bullets, Section, Step, Table, Text
 from .logs import Run, is_number
 from .notes import slot
-from .scaling import AMDAHL_GPUS, Scaling, profiled, run_rule, run_stop
+from .scaling import AMDAHL_GPUS, Scaling, profiled, run_rule, run_stop, short_runs
 from .student_source import TITLES, shipped_source
 
 
@@ -197,6 +197,11 @@ SPEEDUP_TERMS = (
 )
 
 
+# The headings other sections point to ("Scaling", "Time profile"), the same in report.md and the PDF.
+SCALING_TITLE = "Scaling: one process against N (speedup, efficiency, Karp-Flatt serial fraction, Amdahl's law)"
+PROFILE_TITLE = "Time profile"
+
+
 def scaling_section(sc: Scaling, runs: list[Run]) -> Section:
     """The scaling table, then what each column means and the notes on the comparison."""
     targets = sorted({(r.target, r.patience) for r in runs})
@@ -213,7 +218,7 @@ def scaling_section(sc: Scaling, runs: list[Run]) -> Section:
         items.append(BASIS[sc.basis])
     if sc.basis is not None:
         items += SPEEDUP_TERMS
-    return Section("scaling", "Scaling", [scaling_table(sc), Bullets(items + sc.notes)])
+    return Section("scaling", SCALING_TITLE, [scaling_table(sc), Bullets(short_runs(runs) + items + sc.notes)])
 
 
 def profile_section(runs: list[Run]) -> Section | None:
@@ -223,7 +228,7 @@ def profile_section(runs: list[Run]) -> Section | None:
     rows = [[r.label] + [fmt(p.get(k)) for k in keys] + [fmt(sum(p.values()))] for r, p in parts]
     return Section(
         "profile",
-        "Time profile",
+        PROFILE_TITLE,
         [
             Text("Mean seconds per epoch of each part, over the epochs that carry a profile."),
             Table(["run"] + keys + ["sum"], rows),
