@@ -131,6 +131,16 @@ BAD = {  # file content, extra flags, the one error line (FILE: the file's path)
         [],
         "{FILE}, line 1: Validation Loss = nan is not a finite number",
     ),
+    "a percentage": (
+        course_line(1, 30.0, 0.5).replace("Validation Accuracy = 0.500", "Validation Accuracy = 87.0") + "\n",
+        [],
+        "{FILE}, line 1: val_accuracy must be a fraction in [0, 1] (got 87.0)",
+    ),
+    "a negative time": (
+        course_line(1, 30.0, 0.5).replace("Cumulative Time = 30.000", "Cumulative Time = -30.0") + "\n",
+        [],
+        "{FILE}, line 1: cumulative_time must be a finite number >= 0 (got -30.0)",
+    ),
     "every rank printing": (
         course_line(1, 30.0, 0.5) + "\n" + course_line(1, 30.0, 0.5) + "\n",
         [],

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .logs import RUN_LOG, TEXT_LOG, LogError, Run, read_run, read_text
+from .logs import FRACTIONS, RUN_LOG, TEXT_LOG, LogError, Run, _check_value, read_run, read_text
 
 EPOCH = re.compile(r"\bEpoch = *(\d+): (.*)")
 FIELDS = {  # as printed: the epoch record's key
@@ -75,6 +75,9 @@ def epoch_record(where: str, number: str, rest: str) -> dict:
     record.update({key: _number(where, name, printed[name]) for name, key in FIELDS.items() if name in printed})
     if record["epoch"] < 1:
         raise LogError(f"{where}: epoch {number}: epochs count from 1")
+    for key in FIELDS.values():  # what a JSON log's epoch may hold, a printed one too (a percentage is refused)
+        if key in record:
+            _check_value(where, key, record[key], fraction=key in FRACTIONS)
     return record
 
 
