@@ -170,6 +170,17 @@ def test_the_buckets_are_ddps_count_for_the_course_model(tmp_path):
     assert "| two | 17117754 | fp32 | 65.3 MiB | 3 | 65.3 MiB |" in text
 
 
+def test_the_buckets_follow_the_runs_ddp_bucket_cap_mb(tmp_path):
+    """A run with the recipe key ddp_bucket_cap_mb 100: DDP's first bucket of 1 MiB, then the other 64.3 MiB in one."""
+    from cifar_wrn.model import ARCHITECTURE
+
+    recipe = {"target_accuracy": 0.85, "patience": 2, "batch_size": 32, "ddp_bucket_cap_mb": 100.0}
+    header = dict(model_width=160, architecture=ARCHITECTURE, model_parameters=17117754, recipe=recipe)
+    path = write_log(tmp_path / "two.jsonl", 1, 2, TWO, **header)
+    text = write_report([read_run(path)], tmp_path / "out", figures=False)[0].read_text()
+    assert "| two | 17117754 | fp32 | 65.3 MiB | 2 | 65.3 MiB |" in text
+
+
 def test_the_report_makes_the_folders_of_its_outputs(tmp_path):
     check_outputs(tmp_path / "report", tmp_path / "report" / "report.pdf")  # README's command, in a bare folder
     check_outputs(tmp_path / "a", tmp_path / "b" / "c" / "r.pdf")

@@ -9,6 +9,12 @@ BUCKET_CAP_MB, FIRST_BUCKET_MB = 25, 1  # DDP's defaults: bucket_cap_mb, and the
 MIB = 1024 * 1024
 
 
+def bucket_cap_mb(run: Run) -> float:
+    """The run's DDP bucket cap: its recipe key ddp_bucket_cap_mb, else DDP's default."""
+    cap = run.recipe.get("ddp_bucket_cap_mb", BUCKET_CAP_MB)
+    return cap if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0 else BUCKET_CAP_MB
+
+
 def shards(n: int, world: int, batch: int | None) -> dict:
     """DistributedSampler's arithmetic (drop_last=False): every rank takes ceil(n / world) indices, the list
     padded with repeats of its first ones; ranks n % world .. world-1 hold one repeat each. `steps`: the
@@ -53,20 +59,20 @@ def accelerate_shards(n: int, world: int, batch: int, drop_last: bool) -> dict:
 def gradient_bytes(run: Run) -> tuple[int, int] | None:
     """(bytes all-reduced per step, estimated DDP buckets) from the header's parameter count: gradients in the
     parameters' dtype (fp32, also under bf16 autocast), half that with grad_compression bf16; buckets from
-    DDP's default caps (the first FIRST_BUCKET_MB, then BUCKET_CAP_MB each), an estimate: DDP fills buckets
+    DDP's caps (the first FIRST_BUCKET_MB, then the run's bucket_cap_mb each), an estimate: DDP fills buckets
     with whole tensors."""
     params = run.header.get("model_parameters")
     if not isinstance(params, int):
         return None
     grads = params * 4
-    buckets = 1 + math.ceil(max(0, grads - FIRST_BUCKET_MB * MIB) / (BUCKET_CAP_MB * MIB))
+    buckets = 1 + math.ceil(max(0, grads - FIRST_BUCKET_MB * MIB) / (bucket_cap_mb(run) * MIB))
     return grads // (2 if run.recipe.get("grad_compression") == "bf16" else 1), buckets
 
 
 def ddp_buckets(run: Run) -> int | None:
     """DDP's buckets for the course's model of the header's width, counted as DDP fills them (its
     _compute_bucket_assignment_by_size): whole gradients in reverse order, a bucket closed once it reaches its
-    cap (the first FIRST_BUCKET_MB, then BUCKET_CAP_MB); None for another model (gradient_bytes estimates)."""
+    cap (the first FIRST_BUCKET_MB, then bucket_cap_mb); None for another model (gradient_bytes estimates)."""
     import torch
 
     from ..model import ARCHITECTURE, WideResNet
@@ -79,6 +85,6 @@ def ddp_buckets(run: Run) -> int | None:
     buckets, filled = 0, 0
     for size in reversed(sizes):
         filled += size
-        if filled >= (FIRST_BUCKET_MB if buckets == 0 else BUCKET_CAP_MB) * MIB:
+        if filled >= (FIRST_BUCKET_MB if buckets == 0 else bucket_cap_mb(run)) * MIB:
             buckets, filled = buckets + 1, 0
     return buckets + (filled > 0)
