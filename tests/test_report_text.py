@@ -146,6 +146,14 @@ BAD = {  # file content, extra flags, the one error line (FILE: the file's path)
         [],
         "{FILE}, line 2: epoch 1 after epoch 1 with no job restart between them",
     ),
+    "every rank printing, a signal's note between": (  # slurm/requeue.sh's note is no restart of the job
+        course_line(1, 30.0, 0.5)
+        + "\n=== 2026-12-07 14:00:00 job 4242: SIGUSR1 received; not passed on, no requeue: x.py cannot checkpoint\n"
+        + course_line(1, 30.0, 0.5)
+        + "\n",
+        [],
+        "{FILE}, line 3: epoch 1 after epoch 1 with no job restart between them",
+    ),
     "no world size": (course_line(1, 30.0, 0.5) + "\n", None, "{FILE}: a text log without the job's banner"),
     "world size 0": (course_line(1, 30.0, 0.5) + "\n", ["--world-size", "0"], "--world-size 0: expected N"),
     "world size to spare": (

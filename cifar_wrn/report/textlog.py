@@ -26,7 +26,7 @@ FIELDS = {  # as printed: the epoch record's key
     "Validation Accuracy": "val_accuracy",
 }
 PRINTED = re.compile(r"(Early stopping|Target accuracy|Safety net)\b")  # the lines after an epoch's, kept as printed
-JOB_START = re.compile(r"^=== \S+ \S+ job \S+ ")  # print_banner's first line: a (re)start of the job
+JOB_START = re.compile(r"^=== \S+ \S+ job \S+ \(")  # print_banner's first line, "job ID (NAME): ": a (re)start
 BANNER = {  # print_banner's lines: the header entries they give
     "world": re.compile(r"^world size: (\d+) = (\d+) node\(s\) x (\d+) process\(es\), device (\w+)"),
     "hostname": re.compile(r"^hosts: (\S+)"),
