@@ -118,6 +118,24 @@ def test_a_text_log_and_a_json_log_are_reported_together_but_not_compared(tmp_pa
     assert "**`mine` is not compared with a 1-process run**" in text and "log_format (json vs text)" in text
 
 
+def test_readme_steps_7_and_8_the_students_two_printed_logs_and_a_profiled_run_give_the_time_profile(tmp_path):
+    """README's checklist: the student's 1- and 2-GPU printed logs, and raw_ddp.py's --profile run for the
+    bottleneck section. The profiled run is of another kind (a JSON log), so it is not set beside the featured
+    run, but its profile is the report's time profile, named as another run's, and Demonstrate 5 points to it."""
+    header = {"kind": "header", "world_size": 2, "num_nodes": 1, "num_gpus": 2, "backend": "nccl", "device": "cuda"}
+    header["recipe"] = {"target_accuracy": 0.85, "patience": 2}
+    epoch = {"kind": "epoch", "epoch": 1, "cumulative_time": 30.0, "epoch_time": 30.0, "images_per_sec": 1600.0}
+    epoch.update(val_loss=1.0, val_accuracy=0.5, profile={"data": 2.0, "forward": 9.0, "backward": 19.0})
+    profiled = tmp_path / "raw-profile.jsonl"
+    profiled.write_text("\n".join(map(json.dumps, [header, epoch])) + "\n")
+    one, two = printed_log(tmp_path / "one.txt", [0.55, 0.86]), printed_log(tmp_path / "two.txt", [0.56, 0.87])
+    text = report(tmp_path, one, two, profiled, "--world-size", 1, "--world-size", 2)
+    profile = text[text.index("## Time profile") :]
+    assert "| raw-profile | 2.000 | 9.000 | 19.000 |" in profile.split("\n## ")[0]
+    assert "`raw-profile`" in profile.split("|")[0]  # says whose profile it is, before the table
+    assert 'the section "Time profile" shows where an epoch' in text
+
+
 BAD = {  # file content, extra flags, the one error line (FILE: the file's path)
     "no epoch line": ("Files already downloaded and verified\n", [], "{FILE}: not a run log: no epoch line found"),
     "cut short": (

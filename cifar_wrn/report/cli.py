@@ -112,7 +112,7 @@ def pdf_content(runs: list[Run], notes: dict, compare: list, source: Source | No
         run_commit=short_commit(run.header.get("git_commit", "not logged")),
         resumed=resume_text(run),
         scaling=scaling_section(scaling(runs), runs),
-        profile=profile_section(featured_group(runs)[0]),
+        profile=profile_section(featured_group(runs)[0], runs),
         demonstrate=demonstrate(runs, notes, compare, source),
         source=source,
     )

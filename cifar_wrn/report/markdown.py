@@ -122,7 +122,7 @@ def report_blocks(runs: list[Run], figures: Figures, out_dir: Path, notes: dict,
     if figures.skipped is None and any(r.epochs for r in runs):
         blocks.append(Image("accuracy_vs_time.png", "validation accuracy against Cumulative Time"))
         blocks.append(Image("images_per_sec.png", "images/sec per epoch"))
-    profile = profile_section(featured_group(runs)[0])
+    profile = profile_section(featured_group(runs)[0], runs)
     if profile:
         if figures.skipped is None:
             profile.blocks.append(Image("profile.png", "time profile per run"))

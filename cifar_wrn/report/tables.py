@@ -4,7 +4,7 @@ per run its header facts and epoch log."""
 import math
 import re
 
-from .content import Bullets, Section, Step, Table, Text
+from .content import Bullets, Section, Step, Table, Text, code
 from .logs import Run, is_number
 from .notes import slot
 from .scaling import AMDAHL_GPUS, Scaling, profiled, run_rule, run_stop, short_runs
@@ -221,16 +221,16 @@ def scaling_section(sc: Scaling, runs: list[Run]) -> Section:
     return Section("scaling", SCALING_TITLE, [scaling_table(sc), Bullets(short_runs(runs) + items + sc.notes)])
 
 
-def profile_section(runs: list[Run]) -> Section | None:
-    parts, keys = profiled(runs)
+def profile_section(group: list[Run], runs: list[Run] = ()) -> Section | None:
+    """The profiles of the featured run's `group`; where none has one (a printed log has none), those of the
+    other `runs`, said to be apart from it (README's checklist profiles the project's trainer for the student)."""
+    parts, keys = profiled(group)
+    what = "Mean seconds per epoch of each part, over the epochs that carry a profile."
+    if not parts:
+        parts, keys = profiled([r for r in runs if r not in group])
+        names = ", ".join(code(r.label) for r, _ in parts)
+        what += f" No run of the featured run's kind has one: these are of {names}, a run of another kind."
     if not parts:
         return None
     rows = [[r.label] + [fmt(p.get(k)) for k in keys] + [fmt(sum(p.values()))] for r, p in parts]
-    return Section(
-        "profile",
-        PROFILE_TITLE,
-        [
-            Text("Mean seconds per epoch of each part, over the epochs that carry a profile."),
-            Table(["run"] + keys + ["sum"], rows),
-        ],
-    )
+    return Section("profile", PROFILE_TITLE, [Text(what), Table(["run"] + keys + ["sum"], rows)])
