@@ -85,6 +85,7 @@ script_setup() {
     if takes --master-port; then SCRIPT_ARGS+=(--master-port "$MASTER_PORT"); fi
     if takes --device; then SCRIPT_ARGS+=(--device "$DEVICE"); fi
     if takes --data-dir; then SCRIPT_ARGS+=(--data-dir "$DATA_DIR"); fi
+    if takes --recipe; then SCRIPT_ARGS+=(--recipe "$RECIPE"); fi
     if takes --log-json; then SCRIPT_ARGS+=(--log-json "$RUN_DIR/log.jsonl"); fi
     if takes --checkpoint-dir && takes --auto-resume; then
         preemption_setup

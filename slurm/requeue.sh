@@ -199,7 +199,7 @@ run_preemptable() {
 # not requeued exits with the training's status.
 requeue_or_exit() {
     local status=$1 output restarts=${SLURM_RESTART_COUNT:-0} name=${SLURM_JOB_NAME:-job}
-    local again="CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch slurm/${name%.sbatch}.sbatch"
+    local again="${SCRIPT:+SCRIPT=$SCRIPT }CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch slurm/${name%.sbatch}.sbatch"
     if (( status == 0 )); then exit 0; fi
     if (( status != PREEMPTED_EXIT )); then
         if (( REQUEUE_WANTED == 1 )); then

@@ -246,6 +246,24 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
     assert f"DATA_DIR={tmp_path / 'scratch' / 'cifar10'}" in result.stdout
 
 
+@pytest.mark.slow
+def test_a_course_job_passes_the_recipe_to_a_script_that_takes_one_and_names_it_in_its_requeue_hint(tmp_path):
+    """script_setup gives SCRIPT --recipe "$RECIPE" where its --help lists --recipe (RECIPE=fast is not dropped),
+    and a requeue refused tells the course job's command with its SCRIPT."""
+    script = tmp_path / "mine.py"
+    script.write_text("print('usage: --num-nodes --node-id --num-gpus --recipe --checkpoint-dir --auto-resume')\n")
+    cmd = (
+        'source slurm/common.sh && job_setup 1 2 >/dev/null && script_setup && echo "ARGS ${SCRIPT_ARGS[*]}" && '
+        "REQUEUE_WANTED=1 SLURM_JOB_ID=7 SLURM_JOB_NAME=course_1gpu.sbatch SLURM_RESTART_COUNT=9 requeue_or_exit 75"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_KNOBS and not k.startswith("SLURM")}
+    env.update(SCRIPT=str(script), RECIPE="fast", RUNS_DIR=str(tmp_path / "runs"), MAX_REQUEUES="1", MODULES="")
+    env.update(REPO_DIR=str(REPO), PYTHON=sys.executable)
+    result = run(["bash", "-c", cmd], timeout=30, env=env)
+    assert "--recipe fast" in next(line for line in result.stdout.splitlines() if line.startswith("ARGS")), result
+    assert f"SCRIPT={script} CHECKPOINT_DIR=" in result.stdout + result.stderr, result
+
+
 # ============================================================================ the cluster, and jobs on it
 
 
