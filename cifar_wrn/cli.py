@@ -199,7 +199,7 @@ def check_output_paths(args, writes_outputs: bool):
     if fresh and log and writes_outputs and os.path.isfile(log) and os.path.getsize(log):
         raise UserError(
             f"--log-json {log} holds a run's log already, which a fresh run would overwrite: give another path "
-            "(a run resumed with --auto-resume appends to its log)"
+            "(only the run that wrote it, resumed with --auto-resume from its --checkpoint-dir, appends to it)"
         )
 
 

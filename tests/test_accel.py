@@ -225,13 +225,13 @@ def test_the_training_code_stays_small():
     then issue #61's values and seam (+3,498: cli.Settings and its three parts, trainers.py's two classes and
     tracker adapters, the import lines of seven more modules; +282: its review's mends, a frozen Settings that
     Launcher copies, Accelerate's epoch loader in trainers.py, a checkpoint_dir name, keyword Run arguments); then
-    105,585 (+9,300 from 96,285): the run guards (+3,924: cli.py's output-path checks, folder lock and checkpoint
+    105,623 (+9,338 from 96,285): the run guards (+3,924: cli.py's output-path checks, folder lock and checkpoint
     refusal, rendezvous.py's signals during the spawn, resilience.py's Ctrl-C), the speed levers (+4,620: optim.py's
     Muon, frozen scales and compiled step, recipe.py's keys and ddp_options, ema_every, prefetched indices, the
     recompile check), the sync-free BatchNorm re-estimation and cudnn flag (+440), the full-data CPU refusal (+316).
     A change that needs more raises it in a commit of its own that says why."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(code_characters(path) for path in files) <= 105_585
+    assert sum(code_characters(path) for path in files) <= 105_623
 
 
 def test_the_size_counts_code_not_what_explains_it(tmp_path):
