@@ -13,12 +13,13 @@ The course's DDP steps, each tagged `# R1.<n>` where it happens, and the functio
     R1.10  only rank 0 prints                                       train_process
     R1.11  torch.multiprocessing.spawn under __main__               __main__
 Collectives that are not course steps say `# beyond R1: <why>` where this file calls them; they run in
-    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers, the resume point
-    cifar_wrn/trainers.py save      a checkpoint: every rank's random streams and write problems (all_gather)
+    cifar_wrn/agreement.py every    errors, stop flags, training counts, BatchNorm buffers
+    cifar_wrn/checkpoints.py resume  the checkpoint every rank resumes from (all_gather, Checkpointer.resume)
+    cifar_wrn/raw_side.py write    a checkpoint: every rank's random streams and write problems (all_gather)
     cifar_wrn/resilience.py check   the stop flags' all_reduce, every few steps (called by watch.step_done)
     cifar_wrn/bn_recalibration.py recalibrate_bn  average_over_ranks, passed in (recipe key bn_recalibration)
-    cifar_wrn/startup.py warm_up    DDP's forward and backward (recipe key startup_steps)
-    cifar_wrn/profiling.py allreduce_cost  DDP's backward, timed (--profile)
+    cifar_wrn/startup.py warm_up    train_step, passed in: DDP's forward and backward (recipe key startup_steps)
+    cifar_wrn/startup.py allreduce_cost  train_step, timed with and without DDP's all-reduce (--profile)
 and DDP broadcasts rank 0's BatchNorm buffers in each training forward (SyncBatchNorm, recipe key sync_bn,
 all-gathers in each one).
 
@@ -56,10 +57,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from cifar_wrn.agreement import buffers_from_rank_0, resume, save_and_stop, save_checkpoint, together, training_counts
+from cifar_wrn import raw_side
+from cifar_wrn.agreement import buffers_from_rank_0, together, training_counts
 from cifar_wrn.bn_recalibration import recalibrate_bn
 from cifar_wrn.cifar_files import download_cifar10
-from cifar_wrn.cli import Settings, add_training_flags, launch_commands, resolve_raw_launch, show_progress
+from cifar_wrn.cli import Settings, add_training_flags, launch_commands, show_progress
 from cifar_wrn.datasets import load_datasets
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate_run, exact_ratios
@@ -68,10 +70,9 @@ from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
 from cifar_wrn.rendezvous import Launcher, forming_group
 from cifar_wrn.resilience import report_failures
-from cifar_wrn.run import Data, Run
+from cifar_wrn.run import Data, Process, Run
 from cifar_wrn.runlog import epoch_line
 from cifar_wrn.stopping import final_line
-from cifar_wrn.trainers import RawDDP
 from cifar_wrn.watch import start_training
 
 
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup(local_rank: int, settings: Settings, recipe) -> Run:
+def setup(local_rank: int, settings: Settings, recipe) -> Process:
     # R1.2 world size and global rank: node 0 holds ranks 0 .. num_gpus-1, node 1 the next ones, ...
     world_size = settings.num_nodes * settings.num_gpus  # R1.2
     rank = settings.node_id * settings.num_gpus + local_rank  # R1.2
@@ -111,68 +112,74 @@ def setup(local_rank: int, settings: Settings, recipe) -> Run:
         dist.init_process_group(
             backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
-    trainer = RawDDP(settings.num_nodes, settings.num_gpus)  # its checkpoints, TensorBoard, log fields
-    show = show_progress(settings, rank == 0)
-    return Run(
-        recipe, rank, local_rank, world_size, device, trainer=trainer, show=show, model_width=settings.model_width
-    )
+    return Process(rank, local_rank, world_size, device)
 
 
 # ==== data
-def build_data(settings: Settings, recipe, run: Run) -> Data:
+def build_data(settings: Settings, recipe, process: Process) -> Data:
     # R1.4 one process per node downloads CIFAR-10; the others wait at the barrier
-    fetched = download_cifar10(settings.data.data_dir) if run.local_rank == 0 else None  # R1.4
+    fetched = download_cifar10(settings.data.data_dir) if process.local_rank == 0 else None  # R1.4
     dist.barrier()  # R1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(run, load_datasets, settings.data, run, note=fetched)
+    train_set, val_set = together(process.local_rank, load_datasets, settings.data, recipe, process, note=fetched)
     # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images, padded to equal length
-    train_sampler = DistributedSampler(train_set, run.world_size, run.rank, shuffle=True, seed=recipe.seed)  # R1.5
-    val_sampler = DistributedSampler(val_set, num_replicas=run.world_size, rank=run.rank, shuffle=False)  # R1.5
+    world_size, rank = process.world_size, process.rank
+    options = loader_options(train_set, recipe, process)  # workers, pinned memory, their own random stream
+    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=recipe.seed)  # R1.5
+    val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)  # R1.5
     train_batches = SkipFirst(BatchSampler(train_sampler, recipe.batch_size, drop_last=True))  # a resume skips
     val_batches = BatchSampler(val_sampler, recipe.eval_batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, batch_sampler=train_batches, **loader_options(train_set, run))  # R1.5
-    val_loader = DataLoader(val_set, batch_sampler=val_batches, **loader_options(val_set, run))  # R1.5
+    train_loader = DataLoader(train_set, batch_sampler=train_batches, **options)  # R1.5
+    val_loader = DataLoader(val_set, batch_sampler=val_batches, **options)  # R1.5
     steps = len(train_batches.batches)
     return Data(train_set, val_set, train_loader, val_loader, steps, train_sampler, train_batches, val_sampler)
 
 
 # ==== model
-def build_model(recipe, run: Run) -> None:
+def build_model(settings: Settings, recipe, process: Process, data: Data) -> Run:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank
-    raw_model = WideResNet(width=run.model_width)
+    raw_model = WideResNet(width=settings.model_width)
     if recipe.sync_bn:
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    run.raw_model = raw_model.to(run.device, memory_format=run.layout)  # R1.7
+    raw_model = raw_model.to(process.device, memory_format=recipe.memory_format)  # R1.7
     # R1.8 DistributedDataParallel: each backward all-reduces the gradients: every rank takes the same step
-    device_ids = [run.local_rank] if run.device.type == "cuda" else None  # R1.7
-    run.model = DDP(run.raw_model, device_ids=device_ids, **recipe.ddp_options)  # R1.8
+    device_ids = [process.local_rank] if process.device.type == "cuda" else None  # R1.7
+    model = DDP(raw_model, device_ids=device_ids, **recipe.ddp_options)  # R1.8
     if recipe.grad_compression == "bf16":  # recipe key grad_compression: all-reduce in bf16
-        run.model.register_comm_hook(None, bf16_compress_hook)
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema, run.optimizer_step = build_training(run)
+        model.register_comm_hook(None, bf16_compress_hook)
+    global_batch_size = recipe.batch_size * process.world_size
+    optimizer, scheduler, criterion, ema = build_training(recipe, raw_model, global_batch_size, data.steps_per_epoch)
     if recipe.compile:
-        run.model = torch.compile(run.model, mode=recipe.compile_mode)  # the loss: build_training
+        model = torch.compile(model, mode=recipe.compile_mode)  # the loss: build_training
     torch.backends.cudnn.benchmark = recipe.cudnn_benchmark  # each shape's fastest convolutions, timed once
-    torch.manual_seed(recipe.seed + run.rank)  # from here on, each rank its own dropout
+    torch.manual_seed(recipe.seed + process.rank)  # from here on, each rank its own dropout
+    show = show_progress(settings, process.is_main)
+    return Run(
+        recipe, process, data, model, raw_model, optimizer, scheduler, criterion, ema, show, settings.model_width
+    )
 
 
 # ==== train
 def train_process(local_rank: int, settings: Settings, recipe) -> None:
-    run = setup(local_rank, settings, recipe)  # R1.2, R1.3, R1.7
-    checkpoint_dir = settings.checkpoints.directory  # None: no checkpoints
+    process = setup(local_rank, settings, recipe)  # R1.2, R1.3, R1.7
+    # beyond R1: raw_ddp.py's own checkpoint format, DIR/checkpoint.pt (cifar_wrn/raw_side.py)
+    checkpointer = raw_side.RawCheckpointer(settings.checkpoints.directory, settings.checkpoints.resume)
     try:
-        run.data = build_data(settings, recipe, run)  # R1.4, R1.5
-        build_model(recipe, run)  # R1.8
-        if (progress := resume(run, settings.checkpoints)) is None:  # beyond R1: all ranks agree on the checkpoint
+        data = build_data(settings, recipe, process)  # R1.4, R1.5
+        run = build_model(settings, recipe, process, data)  # R1.8
+        if (progress := checkpointer.resume(run)) is None:  # beyond R1: all ranks agree on the checkpoint
             return
-        watch = start_training(run, progress, settings.logging)  # warm-up, run log, timers, bar, TensorBoard
+        # beyond R1: the run log's launch fields and TensorBoard, raw_ddp.py's
+        launch, tracker = raw_side.log_fields(settings, process.device), raw_side.TensorBoard
+        watch = start_training(run, progress, settings.logging, launch, tracker, train_step)  # warm-up, log
         for epoch in progress.epochs(recipe):  # until the stopping rule holds or the budget ends
             run.data.train_sampler.set_epoch(epoch)  # R1.6 set_epoch: a new shuffle every epoch
             run.data.train_batches.skip = progress.step  # a resumed epoch goes on where it stopped
             run.data.train_set.set_epoch(epoch)  # each image augmented from (seed, epoch, index): resumes exact
             watch.start_epoch(progress)
-            correct = train_epoch(settings, recipe, run, run.data.train_loader, progress, watch)
+            correct = train_epoch(recipe, run, run.data.train_loader, progress, watch, checkpointer)
             # beyond R1 (recipe key bn_recalibration): BatchNorm statistics re-estimated, averaged
-            recalibrate_bn(run.network, run.recalibration_batches(), run.autocast, average_over_ranks)
+            recalibrate_bn(run.network, run.recalibration, run.autocast, average_over_ranks)
             epoch_time = watch.end_epoch()
             progress.cumulative_time += epoch_time
             # ==== evaluate
@@ -181,8 +188,7 @@ def train_process(local_rank: int, settings: Settings, recipe) -> None:
             if run.is_main:  # R1.10 only rank 0 prints: one line per epoch, not one per process
                 print(epoch_line(metrics), flush=True)  # R1.10
             watch.log_epoch(metrics)
-            if checkpoint_dir:
-                save_checkpoint(run, progress, checkpoint_dir, finished=done)  # beyond R1: rank 0 gathers, writes
+            checkpointer.save(run, progress, finished=done)  # beyond R1: rank 0 gathers, writes (with a DIR)
         if run.is_main:  # R1.10
             print(final_line(progress, recipe), flush=True)  # R1.10
         # ==== teardown
@@ -190,32 +196,37 @@ def train_process(local_rank: int, settings: Settings, recipe) -> None:
             torch.save(run.network.state_dict(), settings.save)
         watch.close()
     finally:
-        run = watch = None  # DDP's reference cycle holds the group: collected first, its threads end
+        run = watch = checkpointer = None  # DDP's reference cycle holds the group: collected first, threads end
         gc.collect()
         dist.destroy_process_group()  # R1.3
 
 
-def train_epoch(settings: Settings, recipe, run: Run, loader, progress, watch) -> torch.Tensor:
+def train_epoch(recipe, run: Run, loader, progress, watch, checkpointer) -> torch.Tensor:
     """One epoch's training steps (the rest of it, on a resume); returns how many predictions were right."""
-    model, optimizer, device = run.model, run.optimizer, run.device
-    model.train()
-    correct = torch.zeros((), dtype=torch.int64, device=device)
+    run.model.train()
+    correct = torch.zeros((), dtype=torch.int64, device=run.device)
     for step, (images, labels) in enumerate(loader, start=progress.step):
-        images = images.to(device, non_blocking=True, memory_format=run.layout)
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(**run.autocast):
-            outputs = model(images)
-            loss = run.criterion(outputs, labels)
+        images = images.to(run.device, non_blocking=True, memory_format=run.layout)
+        labels = labels.to(run.device, non_blocking=True)
+        outputs, loss = train_step(recipe, run, images, labels)
         correct += (outputs.argmax(1) == labels).sum()  # the course's training accuracy
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # R1.8: DDP all-reduces the gradients during the backward
-        if recipe.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-        run.optimizer_step()  # optimizer.step(), then the EMA's update where due (optim.build_step)
-        run.scheduler.step()
         if watch.step_done(step, loss):  # beyond R1: every few steps, all_reduce of stop/non-finite flags
-            save_and_stop(run, progress, step, correct, watch.seconds(), settings.checkpoints.directory)
+            checkpointer.save_and_stop(run, progress, step, correct, watch.seconds())
     return correct
+
+
+def train_step(recipe, run: Run, images: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """One training step (the warm-up and --profile take it too); returns the outputs and the loss."""
+    with torch.autocast(**run.autocast):
+        outputs = run.model(images)
+        loss = run.criterion(outputs, labels)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # R1.8: DDP all-reduces the gradients during the backward
+    if recipe.grad_clip_norm:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), recipe.grad_clip_norm)
+    run.optimizer_step()  # optimizer.step(), then the EMA's update where due (optim.build_step)
+    run.scheduler.step()
+    return outputs, loss
 
 
 def epoch_metrics(run: Run, recipe, progress, epoch_time: float, correct) -> dict:
@@ -224,7 +235,7 @@ def epoch_metrics(run: Run, recipe, progress, epoch_time: float, correct) -> dic
     rate = run.data.steps_per_epoch * recipe.batch_size / epoch_time
     images_per_sec = torch.tensor([rate], dtype=torch.float64, device=run.device)
     dist.reduce(images_per_sec, dst=0, op=dist.ReduceOp.SUM)  # R1.9
-    train = training_counts(run, progress, correct, run.data.steps_per_epoch)  # beyond R1: summed over the ranks
+    train = training_counts(progress, correct, run.data.steps_per_epoch, recipe.batch_size)  # beyond R1: summed
     val_loss, val_accuracy = validate(run, recipe)  # R1.9
     return {
         "epoch": progress.epoch + 1,
@@ -264,7 +275,7 @@ def run_process(local_rank: int, settings: Settings, recipe) -> None:
 
 if __name__ == "__main__":
     try:
-        settings, recipe = resolve_raw_launch(parse_args())  # R1.1: checked before any process starts
+        settings, recipe = raw_side.resolve_raw_launch(parse_args())  # R1.1: checked before any process starts
     except UserError as exc:  # a bad launch: one line and exit status 2, never a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

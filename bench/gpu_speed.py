@@ -44,9 +44,8 @@ import torch
 
 import raw_ddp
 from cifar_wrn import watch as watch_module
-from cifar_wrn.cli import resolve_raw_launch
 from cifar_wrn.model import WideResNet
-from cifar_wrn.recipe import memory_format
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.report.scaling import stopping_epoch
 from cifar_wrn.runlog import read_log
 
@@ -139,10 +138,10 @@ def install_probes() -> None:
                 run.recipe = shipped
         return result
 
-    def on_train_epoch(settings, recipe, run, loader, progress, watch):
+    def on_train_epoch(recipe, run, loader, progress, watch, checkpointer):
         if PROBE.profile and PROBE.profiler is None:
             loader = profiled(loader, run.device, *PROBE.profile)
-        return train_epoch(settings, recipe, run, loader, progress, watch)
+        return train_epoch(recipe, run, loader, progress, watch, checkpointer)
 
     watch_module.Watch.start_epoch, watch_module.Watch.end_epoch = on_start, on_end
     raw_ddp.recalibrate_bn, raw_ddp.validate, raw_ddp.train_epoch = on_recalibrate, on_validate, on_train_epoch
@@ -186,7 +185,7 @@ def flops_per_image(flags: list[str]) -> tuple[float, float]:
 
     settings, recipe = resolve_raw_launch(raw_ddp.parse_args(flags))
     device = torch.device("cuda" if settings.device == "cuda" else "cpu")
-    layout = memory_format(recipe)
+    layout = recipe.memory_format
     model = WideResNet(width=settings.model_width).to(device, memory_format=layout)
     images = torch.randn(2, 3, 32, 32, device=device).contiguous(memory_format=layout)
     forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)

@@ -7,19 +7,16 @@ import os
 import platform
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
-import torch
-
-from .checkpoint import check_writable, refuse_overwrite
-from .errors import UserError, said_by_one
-from .launchers import CPU_FALLBACK_WARNING, launched_by_torchrun, launcher_world_size, port_is_free
+from .checkpoints import check_writable
+from .errors import UserError
 from .model import COURSE_WIDTH
 from .optim import scaled_lr
-from .recipe import FLOAT32_MAX, Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
+from .recipe import FLOAT32_MAX, Recipe, RecipeError, load_recipe, parse_set
 
 NO_CUDA = "--device cuda, but CUDA is not available here (use --device cpu or auto)"
 NO_SYNC_BN = "sync_bn needs CUDA: PyTorch's SyncBatchNorm has no CPU implementation"
@@ -46,13 +43,14 @@ class Logging:
     profile: bool = False
     trace: str | None = None
     notes: tuple = ()  # said by rank 0 as training starts
+    folder_prefix: str = ""  # of the run log's folder, before <recipe>-<nodes>x<gpus>-<time>
 
 
 @dataclass(frozen=True)
 class Settings:
     """The command line, resolved once here; the package takes these values, never the argparse namespace."""
 
-    device: str  # raw_ddp.py: cuda or cpu; accel_train.py: auto, cuda or cpu
+    device: str  # cuda or cpu (accel_train.py: cpu where Accelerator(cpu=True) is asked)
     dist_timeout: float  # seconds
     data: DataSource = field(default_factory=DataSource)
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
@@ -67,16 +65,13 @@ class Settings:
     master_addr: str | None = None
     master_port: int | None = None
     torchrun_local_rank: int | None = None  # not None: torchrun started this process, one rank
-    # accel_train.py's
-    cpu: bool = False  # Accelerator(cpu=...)
-    cpu_fallback: bool = False  # --device auto found no CUDA: warned of once the group forms
 
     @property
     def first_rank(self) -> int:  # this node's local rank 0
         return self.node_id * self.num_gpus
 
 
-def settings_from(args: argparse.Namespace, notes: list = (), **launch) -> Settings:
+def settings_from(args: argparse.Namespace, notes: list = (), folder_prefix: str = "", **launch) -> Settings:
     """The only reader of the argparse namespace besides the entry points' parse_args."""
     resume = "required" if args.resume else "if-any" if args.auto_resume else None
     return Settings(
@@ -91,6 +86,7 @@ def settings_from(args: argparse.Namespace, notes: list = (), **launch) -> Setti
             args.profile,
             args.trace,
             tuple(notes),
+            folder_prefix,
         ),
         save=args.save,
         progress=args.progress,
@@ -241,13 +237,13 @@ def hold_folder(directory):
     os.write(fd, f"the run of pid {os.getpid()} on {platform.node()}{job}\n".encode())
 
 
-def claim_checkpoint_dir(args, accel: bool, holder: bool):
+def claim_checkpoint_dir(args, checkpointer, holder: bool):
     """The run's one `holder` process holds --checkpoint-dir to its end; a fresh run's folder holds no checkpoint
-    (seen alike by every process: all stop at once)."""
+    (seen alike by every process: all stop at once). `checkpointer`: the trainer's, of that folder."""
     if args.checkpoint_dir and holder:
         hold_folder(args.checkpoint_dir)
     if args.checkpoint_dir and not (args.resume or args.auto_resume):
-        refuse_overwrite(args.checkpoint_dir, accel)
+        checkpointer.refuse_overwrite()
 
 
 def check_learning_rates(recipe: Recipe, world_size: int):
@@ -261,32 +257,6 @@ def check_learning_rates(recipe: Recipe, world_size: int):
             )
 
 
-def check_launch(args, cuda_device_count: int):
-    at_least_one(args, "num_nodes", "num_gpus")
-    if not 0 <= args.node_id < args.num_nodes:
-        raise UserError(
-            f"--node-id must be in [0, {args.num_nodes - 1}] for --num-nodes {args.num_nodes} (got {args.node_id})"
-        )
-    if args.device == "cuda" and args.num_gpus > cuda_device_count:
-        only = f"--num-gpus {args.num_gpus}, but this node has only {cuda_device_count} CUDA device(s)"
-        raise UserError(only if cuda_device_count else NO_CUDA)
-    # gloo ranks beyond a few a core only take turns (each step waits for the slowest), each with its own memory
-    if args.device == "cpu" and args.num_gpus > (most := 4 * len(os.sched_getaffinity(0))):
-        raise UserError(f"--num-gpus {args.num_gpus} CPU processes: at most {most} here, 4 a core this process may use")
-    check_training_flags(args, writes_outputs=args.node_id == 0)
-    port = args.master_port
-    for flag, missing, why in (
-        ("addr", args.master_addr is None, "node 0's address, which every node can reach"),
-        ("port", port is None and args.num_nodes > 1, "where every node meets"),
-    ):
-        if missing:
-            raise UserError(f"--master-{flag} (or $MASTER_{flag.upper()}) is required with more than one node: {why}")
-    if port is not None and not 1 <= port <= 65535:
-        raise UserError(f"--master-port must be in 1-65535 (got {port})")
-    if port and args.node_id == 0 and not launched_by_torchrun() and not port_is_free(port):
-        raise UserError(f"--master-port {port} is already in use on this machine (another run?); pick another port")
-
-
 def refuse_full_run_without_gpu(args, cuda: bool, cpu_asked=False) -> None:
     """--device auto without CUDA on the full data: hours on the CPU, never started by accident."""
     if args.device == "auto" and not (cuda or cpu_asked or args.train_subset):
@@ -294,71 +264,3 @@ def refuse_full_run_without_gpu(args, cuda: bool, cpu_asked=False) -> None:
             "no GPU here: submit the job (README), or train on the CPU with --device cpu (hours on the full data; "
             "a short run: add --train-subset 2000 --val-subset 1000 --epochs 2)"
         )
-
-
-@said_by_one()  # under torchrun
-def resolve_raw_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
-    """raw_ddp.py's device and ranks, the flags checked (R1.1)."""
-    recipe = recipe_from_args(args)
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    node_main = os.environ.get("LOCAL_RANK", "0") == "0"
-    refuse_full_run_without_gpu(args, cuda_count > 0)
-    if args.device == "auto":
-        args.device = "cuda" if cuda_count else "cpu"
-        if not cuda_count and node_main:
-            print(CPU_FALLBACK_WARNING, file=sys.stderr)
-    torchrun_local_rank, env_port = None, os.environ.get("MASTER_PORT", "")
-    if launched_by_torchrun():
-        local, n, world, rank = (int(os.environ[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"))
-        torchrun_local_rank, args.num_gpus, args.num_nodes, args.node_id = local, n, world // n, rank // n
-        args.master_port = int(env_port or 0) or None
-    else:
-        if args.master_port is None and env_port.isdigit():
-            args.master_port = int(env_port)
-        if args.num_nodes == 1:
-            args.master_addr = args.master_addr or "127.0.0.1"
-    check_launch(args, cuda_count)
-    check_learning_rates(recipe, args.num_nodes * args.num_gpus)
-    if (warning := slow_bf16_warning(args.device, recipe.precision)) and node_main:
-        print(warning, file=sys.stderr)
-    if recipe.sync_bn and args.device == "cpu":
-        raise UserError(NO_SYNC_BN)
-    claim_checkpoint_dir(args, accel=False, holder=args.node_id == 0 and not torchrun_local_rank)
-    launch = dict(num_nodes=args.num_nodes, node_id=args.node_id, num_gpus=args.num_gpus)
-    launch.update(master_addr=args.master_addr, master_port=args.master_port, torchrun_local_rank=torchrun_local_rank)
-    return settings_from(args, **launch), recipe
-
-
-@said_by_one()
-def resolve_accel_launch(args: argparse.Namespace) -> tuple[Settings, Recipe]:
-    """accel_train.py's device and precision, the flags checked (A1.1)."""
-    from accelerate.utils import parse_flag_from_env
-
-    recipe = recipe_from_args(args)
-    cuda = torch.cuda.is_available()
-    cpu_fallback = args.device == "auto" and not args.cpu and not cuda  # warned of later
-    refuse_full_run_without_gpu(args, cuda, args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
-    cpu = args.cpu or args.device == "cpu" or cpu_fallback
-    # the launch's settings, honoured or refused; 'no' is also the launcher's default: the recipe decides
-    notes = []
-    for setting, turns_on, key, value in (
-        ("mixed_precision", "bf16", "precision", "bf16"),
-        ("dynamo_backend", "inductor", "compile", True),
-    ):
-        asked = os.environ.get(f"ACCELERATE_{setting.upper()}", "no").lower()
-        if asked not in ("no", turns_on):
-            raise UserError(
-                f"the launch asks for {setting} {asked!r}: make it {turns_on} or 'no' in its config or flags "
-                f"(the recipe's {key})"
-            )
-        if asked == turns_on and getattr(recipe, key) != value:
-            notes.append(f"the launch's {setting} {asked} overrides the recipe's {key} {getattr(recipe, key)}")
-            recipe = replace(recipe, **{key: value})
-    check_training_flags(args)
-    check_learning_rates(recipe, launcher_world_size() or 1)
-    if args.device == "cuda" and not cuda:
-        raise UserError(NO_CUDA)
-    if recipe.sync_bn and (cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not cuda):
-        raise UserError(NO_SYNC_BN)
-    claim_checkpoint_dir(args, accel=True, holder=os.environ.get("RANK", "0") == "0")
-    return settings_from(args, notes, cpu=cpu, cpu_fallback=cpu_fallback), recipe

@@ -12,11 +12,12 @@ STD = (0.2470, 0.2435, 0.2616)
 NORMALIZATION = {"cifar": (MEAN, STD), "course": ((0.5,) * 3, (0.5,) * 3)}
 
 
-def load_datasets(source, run) -> tuple[Dataset, Dataset]:
-    """`source`: cli.DataSource. A DataError (the same on every rank) where a rank would get no batch."""
+def load_datasets(source, recipe, process) -> tuple[Dataset, Dataset]:
+    """`source`: cli.DataSource, `process`: run.Process. A DataError (the same on every rank) where a rank would get
+    no batch."""
     train_data = load_split(source.data_dir, True, source.train_subset)
     val_data = load_split(source.data_dir, False, source.val_subset)
-    recipe, images, world_size = run.recipe, len(train_data[1]), run.world_size
+    images, world_size = len(train_data[1]), process.world_size
     if images < recipe.batch_size * world_size:  # Accelerate's shards: floor(floor(N / batch) / processes) steps
         raise DataError(
             f"{images} training images over {world_size} processes give less than one batch of "
@@ -25,8 +26,8 @@ def load_datasets(source, run) -> tuple[Dataset, Dataset]:
     recalibration_images(recipe, images, world_size)
     common = dict(normalization=recipe.normalization)
     if recipe.data_pipeline == "device":
-        common.update(device=run.device, channels_last=recipe.channels_last)
-        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + run.rank, **common)
+        common.update(device=process.device, channels_last=recipe.channels_last)
+        train = DeviceBatches(*train_data, augment=recipe.augment, seed=recipe.seed + process.rank, **common)
         return train, DeviceBatches(*val_data, augment=False, **common)
     train = CIFAR10(*train_data, recipe.augment, recipe.augmentation, seed=recipe.seed, **common)
     return train, CIFAR10(*val_data, augment=False, **common)

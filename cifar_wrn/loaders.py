@@ -6,10 +6,10 @@ import torch
 from torch.utils.data import Sampler
 
 
-def loader_options(dataset, run) -> dict:
-    """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses."""
-    recipe = run.recipe
-    per_image_on_gpu = run.device.type == "cuda" and recipe.data_pipeline == "dataloader"
+def loader_options(dataset, recipe, process) -> dict:
+    """Its own generator: a mid-epoch resume's extra iterator must not draw from the stream dropout uses.
+    `process`: run.Process."""
+    per_image_on_gpu = process.device.type == "cuda" and recipe.data_pipeline == "dataloader"
     num_workers = recipe.num_workers if per_image_on_gpu else 0
     return dict(
         num_workers=num_workers,
@@ -17,7 +17,7 @@ def loader_options(dataset, run) -> dict:
         persistent_workers=num_workers > 0,
         multiprocessing_context="fork" if num_workers else None,  # not spawn (mp.spawn's ranks): no import, at once
         worker_init_fn=ignore_stop_signal,
-        generator=torch.Generator().manual_seed(recipe.seed + run.rank),
+        generator=torch.Generator().manual_seed(recipe.seed + process.rank),
         collate_fn=_as_made if hasattr(dataset, "__getitems__") else None,
     )
 

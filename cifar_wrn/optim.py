@@ -117,21 +117,19 @@ def build_scheduler(optimizer, recipe: Recipe, steps_per_epoch: int) -> torch.op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_training(run):
-    """The learning rate, optimizer, schedule, loss, EMA and optimizer step of `run`'s recipe, for its raw_model."""
+def build_training(recipe: Recipe, raw_model: torch.nn.Module, global_batch_size: int, steps_per_epoch: int):
+    """The optimizer, schedule, loss and EMA (None without ema_decay) of the recipe, for raw_model."""
     from .ema import build_ema
 
-    recipe = run.recipe
-    lr = scaled_lr(recipe, run.global_batch_size)
-    optimizer = build_optimizer(run.raw_model, recipe, lr)
+    optimizer = build_optimizer(raw_model, recipe, scaled_lr(recipe, global_batch_size))
     if recipe.compile_optimizer:
         compilable(optimizer)
-    scheduler = build_scheduler(optimizer, recipe, run.data.steps_per_epoch)
+    scheduler = build_scheduler(optimizer, recipe, steps_per_epoch)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     if recipe.compile:  # the model: the entry point, over DDP
         criterion = torch.compile(criterion, mode=recipe.compile_mode)
-    ema = build_ema(run.raw_model, recipe.ema_decay, recipe.ema_every) if recipe.ema_decay else None
-    return lr, optimizer, scheduler, criterion, ema, build_step(run)
+    ema = build_ema(raw_model, recipe.ema_decay, recipe.ema_every) if recipe.ema_decay else None
+    return optimizer, scheduler, criterion, ema
 
 
 def compilable(optimizer: torch.optim.Optimizer) -> None:
@@ -143,22 +141,23 @@ def compilable(optimizer: torch.optim.Optimizer) -> None:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
-def build_step(run):
-    """The training step's run.optimizer.step() (Accelerate's wrapper in accel_train.py), then the EMA's update of
-    raw_model where one is due (ema.py); with compile_optimizer the two are one torch.compile'd function."""
+def build_step(optimizer, ema, raw_model: torch.nn.Module, compiled: bool):
+    """The training step's optimizer.step() (Accelerate's wrapper in accel_train.py), then the EMA's update of
+    raw_model where one is due (ema.py); `compiled` (recipe key compile_optimizer): the two one torch.compile'd
+    function."""
 
     @torch.no_grad()
     def step(weight) -> None:
-        run.optimizer.step()
+        optimizer.step()
         if weight is not None:
-            run.ema.average(run.raw_model, weight)
+            ema.average(raw_model, weight)
 
-    if not run.recipe.compile_optimizer:
-        return lambda: step(None if run.ema is None else run.ema.due())
+    if not compiled:
+        return lambda: step(None if ema is None else ema.due())
     step, held = torch.compile(step), torch.zeros(())  # the weight in a tensor: a float's value would be guarded
 
     def compiled_step() -> None:
-        weight = None if run.ema is None else run.ema.due()
+        weight = None if ema is None else ema.due()
         step(None if weight is None else held.fill_(weight))
 
     return compiled_step

@@ -1,6 +1,5 @@
 """Where an epoch's time goes: marks are CUDA events (no sync until the epoch ends), or perf_counter."""
 
-import contextlib
 import time
 
 import torch
@@ -84,27 +83,3 @@ def synchronized_clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def allreduce_cost(run, images: torch.Tensor, repeats: int = 3) -> float:
-    """Seconds DDP's all-reduce adds to a backward of `images` (with vs without no_sync); state restored."""
-    labels = torch.zeros(len(images), dtype=torch.int64, device=images.device)  # only the time counts
-    device, buffers, seconds = run.device, [b.clone() for b in run.raw_model.buffers()], []
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for context in (contextlib.nullcontext, run.ddp.no_sync):
-                best = float("inf")
-                for _ in range(repeats):
-                    with context():
-                        with torch.autocast(**run.autocast):
-                            loss = run.criterion(run.model(images), labels)
-                        t0 = synchronized_clock(device)
-                        loss.backward()
-                        best = min(best, synchronized_clock(device) - t0)
-                seconds.append(best)
-                run.model.zero_grad(set_to_none=True)
-    finally:
-        with torch.no_grad():
-            for saved, buffer in zip(buffers, run.raw_model.buffers()):
-                buffer.copy_(saved)
-    return max(seconds[0] - seconds[1], 0.0)

@@ -75,6 +75,10 @@ class Recipe:
     bn_recalibration: int = 0  # images to re-estimate BN stats
 
     @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    @property
     def ddp_options(self) -> dict:
         """DistributedDataParallel's keyword arguments (Accelerate's DistributedDataParallelKwargs take the same);
         broadcast_buffers only when off: torch 2.14 warns of the name (forward_sync_buffers, which 2.7 lacks)."""
@@ -219,10 +223,6 @@ def check_recipe(r: Recipe):
 
 
 as_dict = asdict  # a Recipe as {key: value}
-
-
-def memory_format(recipe: Recipe) -> torch.memory_format:
-    return torch.channels_last if recipe.channels_last else torch.contiguous_format
 
 
 def slow_bf16_warning(device_type: str, precision: str) -> str | None:

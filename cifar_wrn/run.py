@@ -1,4 +1,5 @@
-"""One rank's training objects: setup, then build_data, then build_model fill them in."""
+"""One rank's training objects: who the process is (setup's Process), its data (build_data's Data), then the Run,
+built once by build_model from both."""
 
 from dataclasses import dataclass, field
 
@@ -11,10 +12,23 @@ from .datasets import DeviceBatches
 from .evaluation import real_sample_mask
 from .loaders import SkipFirst
 from .model import COURSE_WIDTH
-from .recipe import Recipe, memory_format
+from .optim import build_step, scaled_lr
+from .recipe import Recipe
 
 
-@dataclass
+@dataclass(frozen=True)
+class Process:
+    rank: int  # global: 0 .. world_size - 1
+    local_rank: int  # on this node: the GPU it uses
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
 class Data:
     train_set: Dataset
     val_set: Dataset
@@ -24,7 +38,6 @@ class Data:
     train_sampler: DistributedSampler | None = None  # these three: None on accel_train.py's prepared loaders
     train_batches: SkipFirst | None = None
     val_sampler: DistributedSampler | None = None
-    recalibration: list = field(default_factory=list)
 
     @property
     def val_images(self) -> int:
@@ -45,34 +58,38 @@ class Data:
 @dataclass
 class Run:
     recipe: Recipe
-    rank: int  # global: 0 .. world_size - 1
-    local_rank: int  # on this node: the GPU it uses
-    world_size: int
-    device: torch.device
-    trainer: object  # what differs between the trainers: trainers.RawDDP or trainers.Accelerated
+    process: Process
+    data: Data
+    model: torch.nn.Module  # what the loop trains: raw_model in DDP, maybe compiled
+    raw_model: torch.nn.Module  # the WideResNet itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    criterion: torch.nn.Module
+    ema: torch.nn.Module | None = None  # evaluated instead of raw_model (recipe key ema_decay)
     show: bool = False  # progress bars
     model_width: int = COURSE_WIDTH
-    data: Data | None = None
-    model: torch.nn.Module | None = None  # what the loop trains: raw_model in DDP, maybe compiled
-    raw_model: torch.nn.Module | None = None  # the WideResNet itself
-    ema: torch.nn.Module | None = None  # evaluated instead of raw_model (recipe key ema_decay)
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    criterion: torch.nn.Module | None = None
-    optimizer_step: object = None  # optimizer.step() and the EMA's update (optim.build_step)
-    lr: float = 0.0
+    optimizer_step: object = field(init=False)  # optimizer.step() and the EMA's update (optim.build_step)
+    recalibration: list = field(init=False)  # this rank's BatchNorm re-estimation batches (recipe bn_recalibration)
 
-    @property
-    def accelerator(self):  # accel_train.py's Accelerator, for its own lines (trainers.Accelerated holds it)
-        return self.trainer.accelerator
+    def __post_init__(self):
+        self.optimizer_step = build_step(self.optimizer, self.ema, self.raw_model, self.recipe.compile_optimizer)
+        self.recalibration = recalibration_batches(
+            self.data.train_set, self.recipe, self.rank, self.world_size, self.device
+        )
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    rank = property(lambda self: self.process.rank)
+    local_rank = property(lambda self: self.process.local_rank)
+    world_size = property(lambda self: self.process.world_size)
+    device = property(lambda self: self.process.device)
+    is_main = property(lambda self: self.process.is_main)
 
     @property
     def global_batch_size(self) -> int:
         return self.recipe.batch_size * self.world_size
+
+    @property
+    def lr(self) -> float:
+        return scaled_lr(self.recipe, self.global_batch_size)
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -88,17 +105,9 @@ class Run:
 
     @property
     def layout(self) -> torch.memory_format:
-        return memory_format(self.recipe)
+        return self.recipe.memory_format
 
     @property
     def ddp(self) -> DistributedDataParallel | None:  # under torch.compile's wrapper; None: Accelerate, 1 process
         model = getattr(self.model, "_orig_mod", self.model)
         return model if isinstance(model, DistributedDataParallel) else None
-
-    def recalibration_batches(self) -> list:  # made once
-        data = self.data
-        if not data.recalibration:
-            data.recalibration = recalibration_batches(
-                data.train_set, self.recipe, self.rank, self.world_size, self.device
-            )
-        return data.recalibration

@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -24,17 +25,41 @@ def git_commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
+class Field(NamedTuple):
+    key: str
+    label: str | None = None  # on the epoch line as `label = value`, formatted by `fmt`; None: in the log only
+    fmt: str = ""
+    tracked: bool = False  # a TensorBoard scalar (--with-tracking)
+    required: bool = True  # in every epoch of a log the report reads
+
+
+# The epoch record, defined once: the entry points' epoch_metrics fill it; the epoch line, the JSON log, TensorBoard,
+# the checkpoint's history (stopping.Progress) and the report's readers (report/logs.py, report/textlog.py) follow.
+EPOCH_RECORD = (
+    Field("epoch", "Epoch", "2d"),
+    Field("cumulative_time", "Cumulative Time", ".3f", tracked=True),
+    Field("epoch_time", "Epoch Time", ".3f"),
+    Field("images_per_sec", "Images/sec", ".1f", tracked=True),
+    Field("train_accuracy", "Training Accuracy", ".3f", tracked=True, required=False),  # the course's first script
+    Field("train_correct", required=False),  # did not count it
+    Field("train_seen", required=False),
+    Field("val_loss", "Validation Loss", ".3f", tracked=True),
+    Field("val_accuracy", "Validation Accuracy", ".3f", tracked=True),
+    Field("extra_epoch", required=False),  # stopping.Progress.end_epoch's, past the budget
+    Field("safety_net", required=False),  # at the budget's end, training on
+    Field("profile", required=False),  # --profile's (watch.Watch)
+    Field("comm_estimate", required=False),
+)
+EPOCH_KEYS = {f.key for f in EPOCH_RECORD}
+
+
 def epoch_line(m: dict) -> str:
-    # the report reads logs from before training accuracy was counted
-    train = f"Training Accuracy = {m['train_accuracy']:.3f}, " if "train_accuracy" in m else ""
-    line = (
-        f"Epoch = {m['epoch']:2d}: Cumulative Time = {m['cumulative_time']:.3f}, "
-        f"Epoch Time = {m['epoch_time']:.3f}, Images/sec = {m['images_per_sec']:.1f}, "
-        f"{train}Validation Loss = {m['val_loss']:.3f}, Validation Accuracy = {m['val_accuracy']:.3f}"
-    )
-    if "safety_net" not in m:
+    """The course's line: `Epoch = n: Cumulative Time = ..., ...`, the labelled fields `m` holds."""
+    (first, *rest), net = EPOCH_RECORD, m.get("safety_net")
+    shown = ", ".join(f"{f.label} = {m[f.key]:{f.fmt}}" for f in rest if f.label and f.key in m)
+    line = f"{first.label} = {m[first.key]:{first.fmt}}: {shown}"
+    if not net:
         return line
-    net = m["safety_net"]
     return (
         f"{line}\nSafety net: the target was met {net['streak']} of {net['patience']} epochs in a row when the "
         f"{net['budget']}-epoch budget ended; training on for up to {net['extra_epochs']} more epoch(s), "
@@ -57,12 +82,13 @@ def run_log_path(log_json, recipe_name: str, layout: str, prefix: str = "") -> s
     raise FileExistsError(f"no free run folder for {name}")
 
 
-def open_run_log(run, progress: Progress, log_json: str | None, recipe_name: str, **launch) -> "JsonLog":
-    """Rank 0's log (the others' writes go nowhere), its header written: the run's launch, sizes and recipe."""
+def open_run_log(run, progress: Progress, options, **launch) -> "JsonLog":
+    """Rank 0's log (the others' writes go nowhere), its header written: the run's launch, sizes and recipe.
+    `options`: cli.Logging."""
     from .model import ARCHITECTURE, COURSE_WIDTH, count_parameters
 
     recipe, layout = run.recipe, f"{launch['num_nodes']}x{launch['num_gpus']}"
-    path = run_log_path(log_json, recipe_name, layout, run.trainer.log_prefix) if run.is_main else None
+    path = run_log_path(options.log_json, options.recipe_name, layout, options.folder_prefix) if run.is_main else None
     # a resume flag's run may start afresh on an earlier attempt's log: that run resumed at its start
     resumed = bool(progress.epoch or progress.step) or bool(path and os.path.isfile(path) and os.path.getsize(path))
     log = JsonLog(path)

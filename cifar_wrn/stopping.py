@@ -26,7 +26,6 @@ class Progress:
     epoch_time_so_far: float = 0.0
     cumulative_time: float = 0.0
     history: list = field(default_factory=list)
-    streak: int = 0  # consecutive epochs at the target
     train_correct: int = 0  # this epoch's, all ranks'
     train_seen: int = 0
 
@@ -47,16 +46,16 @@ class Progress:
     def end_epoch(self, metrics: dict, recipe) -> bool:
         """True when the rule holds."""
         self.history.append(metrics)
-        # recounted from every logged accuracy: a resume may have changed target_accuracy or patience
-        self.streak = trailing_streak(self.accuracies, recipe.target_accuracy)
+        # counted from every logged accuracy: a resume may have changed target_accuracy or patience
+        streak = trailing_streak(self.accuracies, recipe.target_accuracy)
         self.epoch, self.step, self.epoch_time_so_far = self.epoch + 1, 0, 0.0
         self.train_correct, self.train_seen = 0, 0
         if self.epoch > recipe.epochs:
             metrics["extra_epoch"] = self.epoch - recipe.epochs
-        done = self.streak >= recipe.patience
+        done = streak >= recipe.patience
         if not done and self.epoch == recipe.epochs and self.safety_net_open(recipe):
             metrics["safety_net"] = dict(
-                budget=recipe.epochs, extra_epochs=recipe.extra_epochs, streak=self.streak, patience=recipe.patience
+                budget=recipe.epochs, extra_epochs=recipe.extra_epochs, streak=streak, patience=recipe.patience
             )
         return done
 

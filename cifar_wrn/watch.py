@@ -7,39 +7,35 @@ import torch
 
 from .agreement import agree_on_flags
 from .bars import EpochBar
-from .profiling import PhaseTimer, allreduce_cost, profile_table, synchronized_clock
+from .profiling import PhaseTimer, profile_table, synchronized_clock
 from .resilience import StepGuard
-from .runlog import JsonLog, open_run_log
-from .startup import warm_up
+from .runlog import EPOCH_KEYS, EPOCH_RECORD, JsonLog, open_run_log
+from .startup import allreduce_cost, warm_up
 from .stopping import Progress
 
-TRACKED = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")  # the epoch line's
 
-
-def start_training(run, progress: Progress, log_options) -> "Watch":
-    """`log_options`: cli.Logging."""
-    run.recalibration_batches()  # made now: a problem with them stops the run before it trains
+def start_training(run, progress: Progress, options, launch: dict, tracker, step) -> "Watch":
+    """The warm-up (of `step`, the entry point's train_step), the run log (its header with the trainer's `launch`
+    fields), the timers and bars; `tracker(name, folder)`: the trainer's TensorBoard (--with-tracking).
+    `options`: cli.Logging."""
     resumed = bool(progress.epoch or progress.step)
-    startup = warm_up(run, resumed) if progress.epochs_left(run.recipe) else 0.0
-    launch = run.trainer.launch_fields(run)
-    log = open_run_log(run, progress, log_options.log_json, log_options.recipe_name, **launch, startup_seconds=startup)
-    for note in log_options.notes if run.is_main else ():
+    startup = warm_up(run, step, resumed) if progress.epochs_left(run.recipe) else 0.0
+    log = open_run_log(run, progress, options, **launch, startup_seconds=startup)
+    for note in options.notes if run.is_main else ():
         print(f"note: {note}", flush=True)
-    watch = Watch(run, log, log_options.profile, log_options.trace)
-    if (
-        log_options.tracking_dir is not None and run.is_main
-    ):  # TensorBoard events in --project-dir/<the run log's folder>
-        watch.tracker = run.trainer.tracker(run, Path(log.file.name).resolve().parent.name, log_options.tracking_dir)
+    watch = Watch(run, log, step, options.profile, options.trace)
+    if options.tracking_dir is not None and run.is_main:  # TensorBoard events in --project-dir/<the log's folder>
+        watch.tracker = tracker(Path(log.file.name).resolve().parent.name, options.tracking_dir)
     return watch
 
 
 class Watch:
-    def __init__(self, run, log: JsonLog, profile: bool = False, trace: str | None = None):
+    def __init__(self, run, log: JsonLog, step, profile: bool = False, trace: str | None = None):
         # the stop handlers: installed as the rank starts (resilience.report_failures)
-        self.run, self.log, self.profile = run, log, profile
+        self.run, self.log, self.step, self.profile = run, log, step, profile
         self.guard = StepGuard(run.rank, run.world_size, run.device)
         self.timer = PhaseTimer(run.device, enabled=profile, trace_dir=trace, rank=run.rank)
-        self.last_images, self.tracker = None, None  # tracker: the trainer's (trainers.py), with log and close
+        self.last_images, self.tracker = None, None  # tracker: the trainer's side's, with log and close
         if profile:
             self.timer.attach(run.model, getattr(run.optimizer, "optimizer", run.optimizer))
             run.model.register_forward_pre_hook(lambda module, inputs: setattr(self, "last_images", inputs[0]))
@@ -77,16 +73,22 @@ class Watch:
         self.extras = {}
         if self.profile:  # with DDP's all-reduce time in the epoch, timed again on the last batch
             run, images, steps = self.run, self.last_images, self.run.data.steps_per_epoch - self.progress.step
-            comm = steps * allreduce_cost(run, images) if run.ddp is not None and images is not None and steps else 0.0
+            comm = (
+                steps * allreduce_cost(run, self.step, images)
+                if run.ddp is not None and images is not None and steps
+                else 0.0
+            )
             self.extras = {"profile": profile, "comm_estimate": comm}
         return epoch_time
 
     def log_epoch(self, metrics: dict):
+        if unknown := (metrics.keys() | self.extras.keys()) - EPOCH_KEYS:  # a new field: runlog.EPOCH_RECORD first
+            raise ValueError(f"not in the epoch record: {', '.join(sorted(unknown))}")
         if self.profile and self.run.is_main:
             print(profile_table(**self.extras, epoch_time=metrics["epoch_time"], epoch=metrics["epoch"]), flush=True)
         self.log.write({"kind": "epoch", **metrics, **self.extras})
         if self.tracker:
-            self.tracker.log({key: metrics[key] for key in TRACKED}, metrics["epoch"])
+            self.tracker.log({f.key: metrics[f.key] for f in EPOCH_RECORD if f.tracked}, metrics["epoch"])
 
     def close(self):
         self.log.close()

@@ -134,3 +134,29 @@ def recalibrated(network, train_set, recipe, world_size: int):
         if name.endswith(("running_mean", "running_var")):
             buffer.copy_(sum(share[name] for share in shares) / world_size)
     return result
+
+
+def load_checkpoint(folder) -> dict:
+    """raw_ddp.py's checkpoint in `folder`, read as a resume reads it (its keys checked)."""
+    from cifar_wrn.raw_side import RawCheckpointer
+
+    checkpointer = RawCheckpointer(folder)
+    return checkpointer.load(checkpointer.path)
+
+
+def read_training_state(folder) -> dict:
+    """accel_train.py's training_state.pt in the state-<n> `folder`, read as a resume reads it."""
+    from pathlib import Path
+
+    from cifar_wrn.accel_side import TRAINING_STATE, AccelCheckpointer
+
+    return AccelCheckpointer(None).load(Path(folder) / TRAINING_STATE)
+
+
+def checkpoint_keys(trainer: str) -> tuple:
+    """Every key a checkpoint of `trainer` ("raw" or "accel") holds."""
+    from cifar_wrn.accel_side import AccelCheckpointer
+    from cifar_wrn.checkpoints import KEYS
+    from cifar_wrn.raw_side import RawCheckpointer
+
+    return (*KEYS, *(RawCheckpointer if trainer == "raw" else AccelCheckpointer).OWN_KEYS)

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from checks import read_training_state
 from helpers import (
     ACCEL_TINY,
     EPOCH_LINE,
@@ -44,9 +45,8 @@ from torch.utils.data import DataLoader
 
 import accel_train
 import raw_ddp
-from cifar_wrn.checkpoint import latest_checkpoint, read_training_state
+from cifar_wrn.accel_side import latest_checkpoint, resolve_accel_launch
 from cifar_wrn.cifar_files import load_split
-from cifar_wrn.cli import resolve_accel_launch
 from cifar_wrn.datasets import CIFAR10
 from cifar_wrn.errors import UserError
 from cifar_wrn.launchers import CPU_FALLBACK_WARNING

@@ -11,6 +11,7 @@ import sys
 import numpy
 import pytest
 import torch
+from checks import load_checkpoint, read_training_state
 from helpers import (
     PER_TRAIN_FILE,
     TRAIN_IMAGES,
@@ -34,18 +35,12 @@ from test_accel import CONFIGS, accel_env, accelerate_command, accelerate_launch
 import accel_train
 import raw_ddp
 from cifar_wrn import ema as ema_module
-from cifar_wrn.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    read_training_state,
-    resume_disagreement,
-    resume_problem,
-    what_was_seen,
-)
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
+from cifar_wrn.accel_side import latest_checkpoint, resolve_accel_launch
+from cifar_wrn.checkpoints import resume_disagreement, resume_problem, what_was_seen
 from cifar_wrn.errors import agreed_problem
 from cifar_wrn.model import ARCHITECTURE, WideResNet
 from cifar_wrn.profiling import PHASES
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.runlog import read_log
 
 

@@ -15,16 +15,11 @@ import zipfile
 
 import pytest
 import torch
+from checks import checkpoint_keys, load_checkpoint, read_training_state
 from helpers import TINY, cpu_env, data_flags, finish, start
 
-from cifar_wrn.checkpoint import (
-    ACCEL_KEYS,
-    RAW_KEYS,
-    TRAINING_STATE,
-    CheckpointError,
-    load_checkpoint,
-    read_training_state,
-)
+from cifar_wrn.accel_side import TRAINING_STATE
+from cifar_wrn.checkpoints import CheckpointError
 
 TIMEOUT = 180  # seconds per launch (several side by side on a loaded machine); then every process is killed
 TRAINERS = ["raw", "accel"]
@@ -212,10 +207,10 @@ def test_a_changed_byte_in_a_weight_is_refused(cifar_dir, tmp_path, one_epoch_ch
 
 def test_a_checkpoint_without_a_checksum_is_refused_as_an_earlier_versions(tmp_path):
     """Written before checkpoints carried their checksum: refused like any checkpoint of an earlier version."""
-    torch.save({key: 0 for key in RAW_KEYS if key != "digest"}, tmp_path / "checkpoint.pt")
+    torch.save({key: 0 for key in checkpoint_keys("raw") if key != "digest"}, tmp_path / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="checkpoint.pt lacks digest: an earlier version wrote it"):
         load_checkpoint(tmp_path)
-    torch.save({key: 0 for key in ACCEL_KEYS if key != "digest"}, tmp_path / TRAINING_STATE)
+    torch.save({key: 0 for key in checkpoint_keys("accel") if key != "digest"}, tmp_path / TRAINING_STATE)
     with pytest.raises(CheckpointError, match=f"{TRAINING_STATE} lacks digest: an earlier version wrote it"):
         read_training_state(tmp_path)
 
@@ -223,7 +218,7 @@ def test_a_checkpoint_without_a_checksum_is_refused_as_an_earlier_versions(tmp_p
 def test_the_checksum_is_the_same_after_a_save_and_a_load_and_sees_one_bit(tmp_path):
     """What a checkpoint holds, hashed value by value: a save and a load do not change it (views sharing a storage,
     bfloat16, 0-d tensors, ints, floats, None, nested containers); one changed bit, a key, a type does."""
-    from cifar_wrn.checkpoint import digest_of
+    from cifar_wrn.checkpoints import digest_of
 
     base = torch.arange(12, dtype=torch.float32)
     state = {

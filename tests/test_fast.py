@@ -34,11 +34,12 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import accel_train
 import raw_ddp
+from cifar_wrn.accel_side import resolve_accel_launch
 from cifar_wrn.bn_recalibration import recalibrate_bn, recalibration_batches
 from cifar_wrn.cifar_files import DataError, load_split
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.datasets import CIFAR10, DeviceBatches, random_crop_flip
 from cifar_wrn.errors import UserError
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.recipe import load_recipe
 from cifar_wrn.runlog import read_log
 

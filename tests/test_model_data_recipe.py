@@ -13,15 +13,15 @@ import torch
 from helpers import REPO, TRAIN_IMAGES, VAL_IMAGES, write_cifar
 from torch.utils.data import DistributedSampler
 
+from cifar_wrn.accel_side import AccelProcess, resolve_accel_launch
 from cifar_wrn.cifar_files import DataError, load_split
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
 from cifar_wrn.datasets import CIFAR10, MEAN, STD, DeviceBatches
 from cifar_wrn.evaluation import evaluate, real_sample_mask, tta_logits
 from cifar_wrn.model import WideResNet, count_parameters
 from cifar_wrn.optim import build_optimizer, build_scheduler, scaled_lr
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe, parse_set, slow_bf16_warning
-from cifar_wrn.run import Run
-from cifar_wrn.trainers import RawDDP
+from cifar_wrn.run import Process
 
 # ----------------------------------------------------------------------------- model
 
@@ -233,7 +233,7 @@ def test_both_trainers_take_both_cpu_flags():
     import raw_ddp
 
     assert raw_ddp.parse_args(["--cpu"]).device == "cpu" and raw_ddp.parse_args(["--device", "cpu"]).device == "cpu"
-    cpu = lambda *flags: resolve_accel_launch(accel_train.parse_args(list(flags)))[0].cpu
+    cpu = lambda *flags: resolve_accel_launch(accel_train.parse_args(list(flags)))[0].device == "cpu"
     assert cpu("--device", "cpu") and cpu("--cpu")
     assert cpu("--train-subset", "8") == (not torch.cuda.is_available())  # auto: the CPU only without CUDA
     assert raw_ddp.parse_args([]).device == "auto"
@@ -258,8 +258,7 @@ def test_sampler_shards_are_disjoint_cover_and_reshuffle(cifar_dir, monkeypatch,
     flags += ["--batch-size", 32, "--set", f"data_pipeline={pipeline}", "--set", "num_workers=0"]
     flags += ["--set", "augmentation=crop_flip"]  # the course's needs the DataLoader pipeline
     settings, recipe = resolve_raw_launch(raw_ddp.parse_args([str(f) for f in flags]))
-    runs = [Run(recipe, rank, rank, 2, torch.device("cpu"), RawDDP(1, 2)) for rank in (0, 1)]
-    ranks = [raw_ddp.build_data(settings, recipe, run) for run in runs]
+    ranks = [raw_ddp.build_data(settings, recipe, Process(rank, rank, 2, torch.device("cpu"))) for rank in (0, 1)]
     orders = []
     for epoch in (0, 1):
         for data in ranks:
@@ -613,7 +612,8 @@ def test_the_recipe_sets_cudnn_autotuning_as_the_model_is_built(monkeypatch, tra
     monkeypatch.setattr(module, "DDP", lambda model, **options: model, raising=False)
     accelerator = SimpleNamespace(prepare=lambda *objects: objects, unwrap_model=lambda model: model)
     recipe = replace(load_recipe(name), compile=False)
-    run = Run(recipe, 0, 0, 1, torch.device("cpu"), SimpleNamespace(accelerator=accelerator), model_width=4)
-    run.data = SimpleNamespace(steps_per_epoch=4)
-    module.build_model(recipe, run)
+    process = AccelProcess(0, 0, 1, torch.device("cpu"), accelerator)
+    train_set = DeviceBatches(torch.zeros(64, 3, 32, 32, dtype=torch.uint8), torch.zeros(64), "cpu", augment=False)
+    settings = SimpleNamespace(model_width=4, progress="off")
+    module.build_model(settings, recipe, process, SimpleNamespace(steps_per_epoch=4, train_set=train_set))
     assert torch.backends.cudnn.benchmark is autotuned

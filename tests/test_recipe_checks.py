@@ -10,8 +10,9 @@ from helpers import REPO, cpu_env
 
 import accel_train
 import raw_ddp
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
+from cifar_wrn.accel_side import resolve_accel_launch
 from cifar_wrn.errors import UserError
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
 
 FLOAT_KEYS = [f.name for f in fields(Recipe) if f.type is float]

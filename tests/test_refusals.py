@@ -17,8 +17,9 @@ from helpers import ACCEL_TINY, REPO, TINY, cpu_env, data_flags, finish, free_po
 
 import cifar_wrn.rendezvous
 import cifar_wrn.resilience
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
+from cifar_wrn.accel_side import resolve_accel_launch
 from cifar_wrn.errors import UserError
+from cifar_wrn.raw_side import resolve_raw_launch
 
 TRAINERS = ("raw_ddp.py", "accel_train.py")
 DEVICE = {"raw_ddp.py": ["--device", "cpu"], "accel_train.py": ["--cpu"]}

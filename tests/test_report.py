@@ -689,12 +689,12 @@ def test_accelerate_shards_is_what_accelerates_batch_sampler_shard_deals(n, worl
 
 def test_no_quoted_code_box_is_empty_and_demonstrate_3_quotes_the_ddp_wrap():
     """Every code box of the committed example quotes lines of raw_ddp.py; Demonstrate 3 shows the whole
-    `run.model = DDP(...)` statement, however the formatter splits it, with the GPU it is given."""
+    `model = DDP(...)` statement, however the formatter splits it, with the GPU it is given."""
     text = (EXAMPLE / "report.md").read_text()
     assert "(no such tagged line" not in text
     section = text[text.index("Demonstrate 3") : text.index("Demonstrate 4")]
     wrap = statement_lines("= DDP(")
-    assert wrap[0].split(": ", 1)[1].startswith("run.model = DDP(") and wrap[-1].split("  #")[0].endswith(")")
+    assert wrap[0].split(": ", 1)[1].startswith("model = DDP(") and wrap[-1].split("  #")[0].endswith(")")
     assert all(line in section for line in wrap) and any("device_ids=" in line for line in wrap)
 
 

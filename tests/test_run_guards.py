@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from checks import load_checkpoint
 from helpers import data_flags, finish, kill_all, raw_flags, start
 from test_exact_resume import environment
 from test_refusals import DEVICE, TRAINERS, assert_one_error_line, main_in_this_process
@@ -25,11 +26,12 @@ from test_start_up_stop import wait_for
 import accel_train
 import raw_ddp
 from cifar_wrn import runlog
-from cifar_wrn.checkpoint import load_checkpoint
+from cifar_wrn.accel_side import resolve_accel_launch
 from cifar_wrn.cifar_files import DataError
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
+from cifar_wrn.cli import Logging
 from cifar_wrn.datasets import load_datasets
 from cifar_wrn.model import COURSE_WIDTH
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.recipe import Recipe
 from cifar_wrn.report.logs import read_run
 from cifar_wrn.resilience import INTERRUPTED_EXIT, PREEMPTED_EXIT
@@ -207,9 +209,9 @@ def test_an_epoch_of_0_steps_in_either_trainer_is_refused(cifar_dir, images, ref
     source = SimpleNamespace(data_dir=cifar_dir, train_subset=images, val_subset=10)
     if refused:
         with pytest.raises(DataError, match=r"less than one batch of 32 per process \(0 steps an epoch\)"):
-            load_datasets(source, run)
+            load_datasets(source, run.recipe, run)
     else:
-        assert len(load_datasets(source, run)[0]) == images
+        assert len(load_datasets(source, run.recipe, run)[0]) == images
 
 
 # ----------------------------------------------------------------------------- item 5: --num-gpus, the spawn
@@ -285,12 +287,12 @@ def test_a_resumed_run_that_starts_afresh_appends_a_header_resumed_at_its_start(
     appended to (it used to be emptied), and the report reads it as one run."""
     monkeypatch.setattr(runlog, "git_commit", lambda: "abc")
     sizes = lambda: dict(train_images=320, val_images=101, steps_per_epoch=10)
-    run = SimpleNamespace(recipe=Recipe(), is_main=True, trainer=SimpleNamespace(log_prefix=""), world_size=1)
+    run = SimpleNamespace(recipe=Recipe(), is_main=True, world_size=1)
     run.__dict__.update(global_batch_size=32, lr=0.1, data=SimpleNamespace(sizes=sizes), model_width=COURSE_WIDTH)
     run.raw_model, log = torch.nn.Linear(1, 1), tmp_path / "log.jsonl"
     launch = dict(num_nodes=1, num_gpus=1, backend="gloo", device="cpu", launcher="mp.spawn")
     for _ in range(2):
-        runlog.open_run_log(run, Progress(), str(log), "baseline", **launch).close()
+        runlog.open_run_log(run, Progress(), Logging(str(log)), **launch).close()
     headers = [json.loads(line) for line in log.read_text().splitlines()]
     assert [h["resumed_at"] for h in headers] == [None, {"epoch": 1, "step": 0}]
     assert len(read_run(log).segments) == 2

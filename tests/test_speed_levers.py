@@ -16,7 +16,15 @@ from cifar_wrn.datasets import DeviceBatches
 from cifar_wrn.ema import build_ema, warmed_up_decay
 from cifar_wrn.loaders import SkipFirst
 from cifar_wrn.model import WideResNet
-from cifar_wrn.optim import NS_COEFFICIENTS, MuonSGD, build_optimizer, build_scheduler, build_training, orthogonalise
+from cifar_wrn.optim import (
+    NS_COEFFICIENTS,
+    MuonSGD,
+    build_optimizer,
+    build_scheduler,
+    build_step,
+    build_training,
+    orthogonalise,
+)
 from cifar_wrn.recipe import Recipe, RecipeError, load_recipe
 from cifar_wrn.runlog import read_log
 from cifar_wrn.startup import restore
@@ -65,12 +73,15 @@ def tiny_run(**overrides):
     return SimpleNamespace(recipe=recipe, raw_model=WideResNet(width=2), global_batch_size=8, data=data)
 
 
+def build(run) -> tuple:
+    return build_training(run.recipe, run.raw_model, run.global_batch_size, run.data.steps_per_epoch)
+
+
 def train_steps(run, steps: int, first: int = 0):
     """`steps` training steps as train_epoch takes them (its optimizer step: build_training's)."""
-    run.lr, run.optimizer, run.scheduler, run.criterion, run.ema, run.optimizer_step = getattr(run, "built", None) or (
-        build_training(run)
-    )
-    run.built = (run.lr, run.optimizer, run.scheduler, run.criterion, run.ema, run.optimizer_step)
+    if not hasattr(run, "optimizer"):
+        run.optimizer, run.scheduler, run.criterion, run.ema = build(run)
+        run.optimizer_step = build_step(run.optimizer, run.ema, run.raw_model, run.recipe.compile_optimizer)
     for i in range(steps):
         g = torch.Generator().manual_seed(1000 + first + i)  # step i's batch, however the steps are split
         images, labels = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
@@ -120,7 +131,7 @@ def test_compile_takes_the_loss_in_the_recipe_s_mode(monkeypatch):
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append((fn, kw)) or real(fn, backend="eager"))
     run = tiny_run(compile=True, compile_mode="max-autotune-no-cudagraphs")
-    criterion = build_training(run)[3]
+    criterion = build(run)[2]
     assert [(type(fn), kw) for fn, kw in calls] == [(torch.nn.CrossEntropyLoss, {"mode": "max-autotune-no-cudagraphs"})]
     logits, labels = torch.randn(8, 10), torch.arange(8)
     eager = torch.nn.CrossEntropyLoss(label_smoothing=run.recipe.label_smoothing)(logits, labels)
@@ -148,7 +159,7 @@ def test_the_ema_every_k_steps_averages_at_decay_to_the_k():
     """ema_every 3, decay 0.9: over 7 steps the EMA copies at step 3 and averages at step 6 with the model's weight
     1 - decay(5)**3, decay(n) the warmed-up min(0.9, (1 + n) / (10 + n)); it counts every step (n_averaged 7)."""
     run = tiny_run(ema_decay=0.9, ema_every=3)
-    model, ema = run.raw_model, build_training(run)[4]
+    model, ema = run.raw_model, build(run)[3]
     assert ema.every == 3
     seen = []
     for step in range(7):

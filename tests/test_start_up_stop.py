@@ -9,12 +9,13 @@ import sys
 import time
 
 import pytest
+from checks import load_checkpoint
 from helpers import finish, raw_flags, start
 from test_accel import CONFIGS, accelerate_command, reliability_flags
 from test_exact_resume import environment
 from test_reliability import rank_processes
 
-from cifar_wrn.checkpoint import latest_checkpoint, load_checkpoint
+from cifar_wrn.accel_side import latest_checkpoint
 from cifar_wrn.resilience import PREEMPTED_EXIT
 
 

@@ -10,8 +10,8 @@ from helpers import ACCEL_TINY, TINY, data_flags, run
 from test_accel import CONFIGS, accel_env, accelerate_command
 
 import raw_ddp
-from cifar_wrn.cli import resolve_raw_launch
 from cifar_wrn.errors import UserError
+from cifar_wrn.raw_side import resolve_raw_launch
 from cifar_wrn.runlog import read_log
 
 EPOCH_TAGS = ("train_accuracy", "val_accuracy", "val_loss", "images_per_sec", "cumulative_time")

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from checks import checkpoint_keys, load_checkpoint, read_training_state
 from helpers import (
     TINY,
     cpu_env,
@@ -23,17 +24,10 @@ from helpers import (
     write_cifar,
 )
 
-from cifar_wrn.checkpoint import (
-    ACCEL_KEYS,
-    TRAINING_STATE,
-    CheckpointError,
-    folder_digests,
-    load_checkpoint,
-    read_training_state,
-    sealed,
-)
+from cifar_wrn.accel_side import TRAINING_STATE, resolve_accel_launch
+from cifar_wrn.checkpoints import CheckpointError, file_digest, sealed
 from cifar_wrn.cifar_files import DataError, load_split
-from cifar_wrn.cli import resolve_accel_launch, resolve_raw_launch
+from cifar_wrn.raw_side import resolve_raw_launch
 
 NOT_OURS = "is not a checkpoint this project wrote"
 
@@ -264,7 +258,8 @@ def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted)
     torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(tmp_path / "marker")}, path)
     if crafted != TRAINING_STATE:
         state = torch.load(folder / TRAINING_STATE, weights_only=True)
-        torch.save(sealed({**state, "files": folder_digests(folder, but=TRAINING_STATE)}), folder / TRAINING_STATE)
+        files = {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.name != TRAINING_STATE}
+        torch.save(sealed({**state, "files": files}), folder / TRAINING_STATE)
     before = path.read_bytes()
     result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -307,7 +302,7 @@ LATEST_CASES = ["absolute", "dot-dot", "..", "symlinked folder", "symlinked LATE
 
 @pytest.mark.parametrize("how", LATEST_CASES)
 def test_latest_naming_anything_but_a_folder_of_dir_is_refused(tmp_path, how):
-    from cifar_wrn.checkpoint import latest_checkpoint, publish_checkpoint
+    from cifar_wrn.accel_side import latest_checkpoint, publish_checkpoint
 
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
     bad_latest(ck, victim, how)
@@ -324,7 +319,7 @@ def test_temporary_files_never_follow_a_link(tmp_path):
     """Names another account could put in a shared folder beforehand, as links to somebody's file or folder."""
     import os
 
-    from cifar_wrn.checkpoint import check_writable, save_atomic
+    from cifar_wrn.checkpoints import check_writable, save_atomic
     from cifar_wrn.safe_files import fresh_folder
 
     ck, victim = tmp_path / "ck", victim_folder(tmp_path)
@@ -411,7 +406,19 @@ def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
     silently skipped the random states (accel). No GPU is needed to see the message: it comes first."""
     from types import SimpleNamespace
 
-    from cifar_wrn.checkpoint import restore_accel, restore_raw
+    from cifar_wrn.accel_side import AccelCheckpointer
+    from cifar_wrn.raw_side import RawCheckpointer
+
+    def restore_accel(accelerator, folder, state, device_type, ema, generator):
+        run = SimpleNamespace(
+            process=SimpleNamespace(accelerator=accelerator),
+            device=torch.device(device_type),
+            ema=ema,
+            data=SimpleNamespace(generator=generator),
+        )
+        AccelCheckpointer(None).restore(run, folder, state)
+
+    restore_raw = lambda checkpoint, run: RawCheckpointer(None).restore(run, "the checkpoint", checkpoint)
 
     cpu_written = {"rng": [{"torch": torch.get_rng_state(), "cuda": None, "pipeline": None}]}
     gpu_written = {
@@ -437,7 +444,7 @@ def test_a_checkpoint_of_another_device_type_is_refused_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="written by a run on cpu, this run is on cuda"):
         restore_accel(accelerator, tmp_path, {"device": "cpu"}, "cuda", None, None)
     # a folder from before "device" was kept is refused, not read as if written on this device
-    torch.save({key: None for key in ACCEL_KEYS if key != "device"}, tmp_path / TRAINING_STATE)
+    torch.save({key: None for key in checkpoint_keys("accel") if key != "device"}, tmp_path / TRAINING_STATE)
     with pytest.raises(CheckpointError, match=f"{TRAINING_STATE} lacks device: an earlier version wrote it"):
         read_training_state(tmp_path)
     fake_random_states(tmp_path / "random_states_0.pkl", cuda=True)

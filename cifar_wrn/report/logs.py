@@ -227,10 +227,10 @@ def _check_header(where: str, record: dict) -> None:
 
 def other_run(first: dict, later: dict) -> str | None:
     """Why the header `later` does not continue the run that `first` started, or None when it does: the
-    trainers' own rule for a resume (cifar_wrn/checkpoint.py resume_problem: the same world size, model,
+    trainers' own rule for a resume (cifar_wrn/checkpoints.py resume_problem: the same world size, model,
     data and recipe, except the keys a resume may change), so the report reads as one run exactly what a
     trainer would have resumed as one. Keys one header lacks had their default (an older trainer)."""
-    from ..checkpoint import resume_problem
+    from ..checkpoints import resume_problem
 
     data = ("train_images", "val_images", "steps_per_epoch")
     started = {
