@@ -48,8 +48,12 @@ DAMAGED = (
 
 
 class Checkpointer:
-    """One run's checkpoints in `directory` (None: none written), in a trainer's format (a subclass: `write`, `read`,
-    `restore`); `resume`: cli.Checkpoints.resume, None to start afresh. Every rank calls each method."""
+    """One run's checkpoints in `directory` (None: none written), in a trainer's format; `resume`:
+    cli.Checkpoints.resume, None to start afresh. Every rank calls each method. A format (a subclass) defines
+        write(run, state) -> where it wrote `state` (and its own parts), on every rank;
+        read(required) -> (where, the saved state or None, a problem or None): a problem, not an error, so every
+            node stops together;
+        restore(run, where, saved): the run as `saved` holds it."""
 
     TRAINER = ""  # the entry point whose format this is
     OWN_KEYS = ()  # the format's keys beyond KEYS
@@ -155,17 +159,6 @@ class Checkpointer:
                 "in an empty --checkpoint-dir"
             )
         return state
-
-    def write(self, run, state: dict) -> str:
-        raise NotImplementedError
-
-    def read(self, required: bool) -> tuple:
-        """(where, the saved state or None, a problem or None): a problem, not an error, so every node stops
-        together."""
-        raise NotImplementedError
-
-    def restore(self, run, where, saved: dict) -> None:
-        raise NotImplementedError
 
 
 def check_writable(directory):
