@@ -4,6 +4,7 @@ epoch)."""
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +23,24 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def versions(device) -> dict:
+    """What a run's speed depends on: the software's versions and the chip (`device` on CUDA, else the CPU)."""
+    import torchvision
+
+    info = Path("/proc/cpuinfo")  # Linux: the CPU's model, where platform.processor() says "x86_64" or ""
+    cpu = re.search(r"^model name\s*: (.+)", info.read_text(), re.M) if info.is_file() else None
+    name = torch.cuda.get_device_name(device) if device else cpu[1] if cpu else platform.processor()
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return dict(
+        python_version=platform.python_version(),
+        torchvision_version=torchvision.__version__,
+        cuda_version=torch.version.cuda,
+        cudnn_version=torch.backends.cudnn.version(),
+        nccl_version=".".join(map(str, nccl)) if nccl else None,
+        device_name=name or platform.machine(),
+    )
 
 
 def epoch_line(m: dict) -> str:
@@ -75,6 +94,7 @@ def open_run_log(run, progress: Progress, log_json: str | None, recipe_name: str
             hostname=platform.node(),
             git_commit=git_commit(),
             torch_version=torch.__version__,
+            **versions(run.device if launch["device"] == "cuda" else None),
             world_size=run.world_size,
             **launch,
             per_device_batch_size=recipe.batch_size,
