@@ -6,6 +6,7 @@ import importlib
 import json
 import pickle
 import platform
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,3 +141,10 @@ def test_without_cpuinfo_the_header_names_the_machine(monkeypatch):
     monkeypatch.setattr(Path, "is_file", lambda self: False)
     monkeypatch.setattr(platform, "processor", lambda: "")
     assert runlog.versions(None)["device_name"] == platform.machine()
+
+
+def test_the_docs_data_commands_are_the_commands_actions():
+    """Each `cifar-wrn-data ACTION` the README, docs and slurm/ comments give is one the command takes."""
+    texts = [p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "slurm").glob("*")]]
+    actions = [a for text in texts for a in re.findall(r"cifar-wrn-data (\S+)", text)]
+    assert "download" in actions and set(actions) <= {"download", "check"}, actions
