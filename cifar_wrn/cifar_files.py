@@ -1,7 +1,10 @@
-"""CIFAR-10 on disk: found, downloaded (one process per node), and read as data only, checked."""
+"""CIFAR-10 on disk: found, downloaded (one process per node), and read as data only, checked; the command
+`cifar-wrn-data download|check DIR`."""
 
+import argparse
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import numpy
@@ -147,3 +150,25 @@ def load_split(data_dir, train: bool, subset: int | None = None) -> tuple[torch.
             f"--{flag}-subset {subset}: must be between 1 and {len(labels)} (the {split} images in {folder})"
         )
     return images[:subset], labels[:subset]
+
+
+def main(argv=None) -> int:
+    """cifar-wrn-data; a refusal is one `error:` line, exit status 2."""
+    p = argparse.ArgumentParser(
+        prog="cifar-wrn-data",
+        description=f"CIFAR-10 for --data-dir DIR. download: the official archive ({OFFICIAL_URL}; CIFAR10_URL="
+        f"<url> for a mirror) into DIR/{FOLDER}/ unless there, then check. check: read all 60000 images as the "
+        "trainers do.",
+    )
+    p.add_argument("action", choices=("download", "check"))
+    p.add_argument("dir", metavar="DIR")
+    args = p.parse_args(argv)
+    try:
+        if args.action == "download" and (problem := download_cifar10(args.dir)):
+            raise DataError(problem)
+        sizes = [len(load_split(args.dir, train)[1]) for train in (True, False)]
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"ok: {Path(args.dir) / FOLDER}: {sizes[0]} training and {sizes[1]} validation images")
+    return 0

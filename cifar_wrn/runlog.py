@@ -4,6 +4,7 @@ epoch)."""
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ def git_commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
+<<<<<<< HEAD
 class Field(NamedTuple):
     key: str
     label: str | None = None  # on the epoch line as `label = value`, formatted by `fmt`; None: in the log only
@@ -51,6 +53,24 @@ EPOCH_RECORD = (
     Field("comm_estimate", required=False),
 )
 EPOCH_KEYS = {f.key for f in EPOCH_RECORD}
+=======
+def versions(device) -> dict:
+    """What a run's speed depends on: the software's versions and the chip (`device` on CUDA, else the CPU)."""
+    import torchvision
+
+    info = Path("/proc/cpuinfo")  # Linux: the CPU's model, where platform.processor() says "x86_64" or ""
+    cpu = re.search(r"^model name\s*: (.+)", info.read_text(), re.M) if info.is_file() else None
+    name = torch.cuda.get_device_name(device) if device else cpu[1] if cpu else platform.processor()
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return dict(
+        python_version=platform.python_version(),
+        torchvision_version=torchvision.__version__,
+        cuda_version=torch.version.cuda,
+        cudnn_version=torch.backends.cudnn.version(),
+        nccl_version=".".join(map(str, nccl)) if nccl else None,
+        device_name=name or platform.machine(),
+    )
+>>>>>>> h1-commands
 
 
 def epoch_line(m: dict) -> str:
@@ -101,6 +121,7 @@ def open_run_log(run, progress: Progress, options, **launch) -> "JsonLog":
             hostname=platform.node(),
             git_commit=git_commit(),
             torch_version=torch.__version__,
+            **versions(run.device if launch["device"] == "cuda" else None),
             world_size=run.world_size,
             **launch,
             per_device_batch_size=recipe.batch_size,

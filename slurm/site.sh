@@ -28,8 +28,8 @@ ACCELERATE=${ACCELERATE-accelerate}
 # Where CIFAR-10 lives on shared storage: a folder holding cifar-10-batches-py/ (data_batch_1..5,
 # test_batch). Each job copies it to the node-local $TMPDIR first. Provide it once on a login node:
 #     tar -xzf cifar-10-python.tar.gz -C "$DATA_SRC"      (the official archive), or
-#     python -c 'from cifar_wrn.cifar_files import download_cifar10 as d; print(d("data") or "ok")'  (download;
-#     CIFAR10_URL=<url> for a mirror of the archive)
+#     cifar-wrn-data download "$DATA_SRC"      (download, then check; CIFAR10_URL=<url> for a mirror of
+#     the archive; `cifar-wrn-data check "$DATA_SRC"` checks a copy you made)
 # Empty or missing: the trainer downloads into $TMPDIR on each node (needs internet there).
 DATA_SRC=${DATA_SRC-$REPO_DIR/data}
 # Where each job writes its folder runs/<job id>/ (must be on storage that every node can reach).

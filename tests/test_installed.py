@@ -2,8 +2,9 @@
 the working tree (the build writes build/ and *.egg-info/ into the tree it builds), then, from a fresh folder
 outside the checkout with PYTHONPATH the target: `python -m raw_ddp`, `accelerate launch -m accel_train` with the
 shipped config and `python -m cifar_wrn.report` with the shipped example notes, the report quoting the installed
-raw_ddp.py. And the report's refusals: a bad input (a log, the notes, the raw_ddp.py it quotes, an output it cannot
-write) ends in one `error:` line and exit status 2 before any file is written, in the checkout and installed."""
+raw_ddp.py; pip's commands cifar-wrn-report and cifar-wrn-data by name. And the report's refusals: a bad input (a
+log, the notes, the raw_ddp.py it quotes, an output it cannot write) ends in one `error:` line and exit status 2
+before any file is written, in the checkout and installed."""
 
 import os
 import re
@@ -224,6 +225,23 @@ def test_the_installed_commands_run_from_any_folder(installed, tmp_path):
     assert shipped <= cited and not cited & ({where_text("raw_ddp.py", n) for _, n in ddp_source.ddp_steps()} - shipped)
     assert all(line in text for line in ddp_source.statement_lines("= DDP(", source))  # quoted at the moved lines
     assert "[you write: why R1.1 is needed]" in text and "(your words: what would go wrong without set_epoch)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_installed")
+def test_the_installed_console_commands_run_by_name(installed, tmp_path):
+    """pip's cifar-wrn-report and cifar-wrn-data (in the target's bin/), found on PATH: each one's --help, and each
+    one's refusal (a subset is not CIFAR-10; a missing log) in one `error:` line, exit status 2."""
+    folder = bad_inputs(tmp_path / "folder")
+    write_cifar(folder / "data")
+    env = dict(installed_env(installed), PATH=f"{installed / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for name in ("cifar-wrn-report", "cifar-wrn-data"):
+        result = finish(start([name, "--help"], env=env, cwd=folder), 60)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: {name} "), result.stdout + result.stderr
+    result = finish(start(["cifar-wrn-data", "check", "data"], env=env, cwd=folder), 60)
+    assert_refused(result, "the train split has 320 images, expected 50000")
+    argv, message = REFUSALS["missing log"]
+    assert_refused(finish(start(["cifar-wrn-report", *argv], env=env, cwd=folder), 60), message)
 
 
 @pytest.mark.slow

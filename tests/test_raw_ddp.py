@@ -222,6 +222,7 @@ def test_end_to_end_two_processes(two_process_run):
     assert header["launcher"] == "mp.spawn"  # started as `python raw_ddp.py`: the ranks are mp.spawn's (R1.11)
     assert header["recipe"]["batch_size"] == 32 and header["global_batch_size"] == 64 and header["lr"] == 0.04
     assert header["git_commit"] and header["torch_version"] == torch.__version__
+    assert header["cuda_version"] == torch.version.cuda and header["device_name"]  # the CPU here
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert set(epochs[0]) >= {"cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy"}
     assert epochs[1]["cumulative_time"] == pytest.approx(epochs[0]["epoch_time"] + epochs[1]["epoch_time"])

@@ -47,7 +47,7 @@ def test_the_readme_names_each_command_of_the_students_path():
     assert "--recipe" not in the_command(r"^python raw_ddp\.py .*--num-gpus 2\b", r"--recipe")
     assert the_command(r"^python raw_ddp\.py .*--num-gpus 1\b")
     assert the_command(r"^python raw_ddp\.py .*--recipe fast\b")
-    assert the_command(r"^python -m cifar_wrn\.report ")
+    assert the_command(r"^cifar-wrn-report ")
 
 
 def test_the_first_screen_leads_from_clone_to_pdf_on_falcon():
@@ -64,9 +64,9 @@ def test_the_first_screen_leads_from_clone_to_pdf_on_falcon():
         line = re.search(rf"^ +SCRIPT=(\S+) sbatch (slurm/course_{gpus}gpu\.sbatch)$", text, re.M)
         assert line and (REPO / line[2]).is_file(), gpus
     assert re.search(r"EXTRA_ARGS=--profile sbatch (slurm/raw_2gpu\.sbatch)", text)
-    report = re.search(r"^ +(python -m cifar_wrn\.report .*)$", text, re.M)[1]
+    report = re.search(r"^ +(cifar-wrn-report .*)$", text, re.M)[1]
     assert re.fullmatch(
-        r"python -m cifar_wrn\.report runs/<1-GPU job>/train\.log runs/<2-GPU job>/train\.log --source (\S+) "
+        r"cifar-wrn-report runs/<1-GPU job>/train\.log runs/<2-GPU job>/train\.log --source (\S+) "
         r"--out report/ --pdf report/report\.pdf",
         report,
     ), report
@@ -98,7 +98,7 @@ def test_every_falcon_install_keeps_the_constraints():
     falcon = readme[: readme.index("**Success**")] + readme[readme.index("## On Falcon") :].split("\n## ")[0]
     installs = re.findall(r"pip install[^`\n]*", falcon)
     assert installs and all("-c slurm/constraints-falcon.txt" in i for i in installs), installs
-    assert not [c for c in readme_commands() if re.search(r"pip install .*&& python -m cifar_wrn\.report", c)]
+    assert not [c for c in readme_commands() if re.search(r"pip install .*&& cifar-wrn-report", c)]
 
 
 def test_where_a_run_log_goes(tmp_path, monkeypatch):
@@ -114,13 +114,16 @@ def test_where_a_run_log_goes(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def student_folder(tmp_path_factory):
     """A folder laid out like a fresh checkout (the entry points, the package, the recipes) with tiny data in
-    data/, and a PATH whose `python` is this interpreter, as on the student's machine."""
+    data/, and a PATH whose `python` is this interpreter and whose cifar-wrn-report runs the folder's report, as on
+    the student's machine (pip's script would import the editable install's, another checkout's)."""
     folder = tmp_path_factory.mktemp("student")
     for name in ("raw_ddp.py", "accel_train.py", "cifar_wrn", "recipes", "accelerate_configs"):
         (folder / name).symlink_to(REPO / name)
     write_cifar(folder / "data")
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "cifar-wrn-report").write_text('#!/bin/sh\nexec python -m cifar_wrn.report "$@"\n')
+    (bin_dir / "cifar-wrn-report").chmod(0o755)
     env = cpu_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("RUNS_DIR")  # the default: runs/ in the folder the command runs in
     return folder, env
@@ -150,7 +153,7 @@ def test_the_readmes_runs_leave_logs_that_its_report_command_reads(student_folde
     assert logs["1 GPU"].parent.name.startswith("baseline-1x1-")
     assert logs["fast"].parent.name.startswith("fast-1x2-")
 
-    report = the_command(r"^python -m cifar_wrn\.report ", r"--pdf")
+    report = the_command(r"^cifar-wrn-report ", r"--pdf")
     result = shell(f"{report} --no-figures", folder, env, timeout=120)
     assert result.returncode == 0, f"{report}\n{result.stdout}\n{result.stderr}"
     out = folder / shlex.split(report)[shlex.split(report).index("--out") + 1]

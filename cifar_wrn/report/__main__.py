@@ -1,4 +1,4 @@
-"""python -m cifar_wrn.report: run logs into the course's report material."""
+"""python -m cifar_wrn.report, as the command cifar-wrn-report: run logs into the course's report material."""
 
 import sys
 

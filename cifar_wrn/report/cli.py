@@ -1,4 +1,5 @@
-"""The command line: `python -m cifar_wrn.report RUN... --out DIR [--pdf FILE] [--notes NOTES.yaml] ...`."""
+"""The command line: `cifar-wrn-report RUN... --out DIR [--pdf FILE] [--notes NOTES.yaml] ...` (main; also
+`python -m cifar_wrn.report`)."""
 
 import argparse
 import os
@@ -30,7 +31,7 @@ from .topology import topology_name
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m cifar_wrn.report",
+        prog="cifar-wrn-report",
         description="The course's report (R3, Demonstrate 1-6) from run logs: tables, scaling numbers and figures.",
     )
     p.add_argument(
