@@ -74,16 +74,11 @@ def package_modules(but: tuple = ()) -> list[Path]:
     return [p for p in sorted(PACKAGE.glob("*.py")) if p.name not in but]
 
 
-<<<<<<< HEAD
 def test_only_the_launch_checks_read_the_command_line():
-    assert [read for path in package_modules(but=LAUNCH_CHECKS) for read in namespace_reads(path)] == []
-=======
-def test_only_cli_reads_the_command_line():
-    """Besides the trainers' cli.py, only cifar-wrn-data's main (cifar_files.py) reads the two arguments it parses."""
+    """Besides the launch checks, only cifar-wrn-data's main (cifar_files.py) reads the two arguments it parses."""
     data_command = {"cifar_files.py args.action", "cifar_files.py args.dir"}
-    reads = [read for path in package_modules(but=("cli.py",)) for read in namespace_reads(path)]
+    reads = [read for path in package_modules(but=LAUNCH_CHECKS) for read in namespace_reads(path)]
     assert [read for read in reads if re.sub(r":\d+", "", read) not in data_command] == []
->>>>>>> h1-commands
 
 
 def test_no_package_module_asks_which_trainer_runs_it():
