@@ -26,7 +26,6 @@ def git_commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-<<<<<<< HEAD
 class Field(NamedTuple):
     key: str
     label: str | None = None  # on the epoch line as `label = value`, formatted by `fmt`; None: in the log only
@@ -53,7 +52,8 @@ EPOCH_RECORD = (
     Field("comm_estimate", required=False),
 )
 EPOCH_KEYS = {f.key for f in EPOCH_RECORD}
-=======
+
+
 def versions(device) -> dict:
     """What a run's speed depends on: the software's versions and the chip (`device` on CUDA, else the CPU)."""
     import torchvision
@@ -70,7 +70,6 @@ def versions(device) -> dict:
         nccl_version=".".join(map(str, nccl)) if nccl else None,
         device_name=name or platform.machine(),
     )
->>>>>>> h1-commands
 
 
 def epoch_line(m: dict) -> str:

@@ -17,6 +17,7 @@ import torchvision
 from helpers import REPO, write_cifar
 
 from cifar_wrn import cifar_files, runlog
+from cifar_wrn.cli import Logging
 from cifar_wrn.model import COURSE_WIDTH
 from cifar_wrn.recipe import Recipe
 from cifar_wrn.report import cli
@@ -111,11 +112,11 @@ def test_the_data_command_refuses_an_unknown_action(capsys):
 def test_the_header_records_the_versions_and_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(runlog, "git_commit", lambda: "abc")
     sizes = lambda: dict(train_images=320, val_images=101, steps_per_epoch=10)
-    run = SimpleNamespace(recipe=Recipe(), is_main=True, trainer=SimpleNamespace(log_prefix=""), world_size=1)
+    run = SimpleNamespace(recipe=Recipe(), is_main=True, world_size=1, device=torch.device("cpu"))
     run.__dict__.update(global_batch_size=32, lr=0.1, data=SimpleNamespace(sizes=sizes), model_width=COURSE_WIDTH)
     run.raw_model, log = torch.nn.Linear(1, 1), tmp_path / "log.jsonl"
     launch = dict(num_nodes=1, num_gpus=1, backend="gloo", device="cpu", launcher="mp.spawn")
-    runlog.open_run_log(run, Progress(), str(log), "baseline", **launch).close()
+    runlog.open_run_log(run, Progress(), Logging(str(log)), **launch).close()
     header = json.loads(log.read_text())
     assert header["python_version"] == platform.python_version()
     assert header["torchvision_version"] == torchvision.__version__
