@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..runlog import EPOCH_RECORD
 
 HEADER_FIELDS = ("world_size", "num_nodes", "num_gpus", "backend", "device")
-EPOCH_FIELDS = ("epoch", "cumulative_time", "epoch_time", "images_per_sec", "val_loss", "val_accuracy")
+EPOCH_FIELDS = tuple(f.key for f in EPOCH_RECORD if f.required)  # the trainers' epoch record: runlog.py
+NUMBERS = tuple(f.key for f in EPOCH_RECORD if f.fmt and f.key != "epoch") + ("comm_estimate",)  # checked if present
 HINT = "expected the JSON-lines log that raw_ddp.py / accel_train.py write with --log-json"
 RUN_LOG = "log.jsonl"  # the trainers' log in a run folder: runs/<name>/log.jsonl
 # The type of each header entry the report reads (beyond the counts _check_header checks): anything else is refused.
@@ -300,7 +302,7 @@ def _check_epoch(where: str, record: dict, epochs: dict[int, dict]) -> None:
     bad = [k for k in EPOCH_FIELDS if not is_number(record.get(k))]
     if bad:
         raise LogError(f"{where}: the epoch record lacks numeric {', '.join(bad)}")
-    for key in EPOCH_FIELDS[1:] + ("train_accuracy", "comm_estimate"):
+    for key in NUMBERS:
         if key in record:
             _check_value(where, key, record[key], fraction=key in FRACTIONS)
     profile = record.get("profile")

@@ -14,17 +14,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from ..runlog import EPOCH_RECORD
 from .logs import FRACTIONS, RUN_LOG, TEXT_LOG, LogError, Run, _check_value, read_run, read_text
 
 EPOCH = re.compile(r"\bEpoch = *(\d+): (.*)")
-FIELDS = {  # as printed: the epoch record's key
-    "Cumulative Time": "cumulative_time",
-    "Epoch Time": "epoch_time",
-    "Images/sec": "images_per_sec",
-    "Training Accuracy": "train_accuracy",  # optional: the course's first script did not print it
-    "Validation Loss": "val_loss",
-    "Validation Accuracy": "val_accuracy",
-}
+# as printed: the epoch record's key (runlog.EPOCH_RECORD's labelled fields, the epoch itself aside)
+FIELDS = {f.label: f.key for f in EPOCH_RECORD[1:] if f.label}
+OPTIONAL = {f.label for f in EPOCH_RECORD if not f.required}  # Training Accuracy: the course's first script
 PRINTED = re.compile(r"(Early stopping|Target accuracy|Safety net)\b")  # the lines after an epoch's, kept as printed
 JOB_START = re.compile(r"^=== \S+ \S+ job \S+ \(")  # print_banner's first line, "job ID (NAME): ": a (re)start
 BANNER = {  # print_banner's lines: the header entries they give
@@ -68,7 +64,7 @@ def _number(where: str, name: str, text: str) -> float:
 def epoch_record(where: str, number: str, rest: str) -> dict:
     """The epoch record of one printed line; a LogError names what is missing (a line cut short) or not a number."""
     printed = dict(re.findall(r"([A-Za-z][\w/ ]*?) = ([^,\s]+)", rest))
-    missing = [name for name in FIELDS if name not in printed and name != "Training Accuracy"]
+    missing = [name for name in FIELDS if name not in printed and name not in OPTIONAL]
     if missing:
         raise LogError(f"{where}: an epoch line without {', '.join(missing)} (cut short?); expected {SAMPLE}")
     record = {"epoch": int(number)}
