@@ -16,16 +16,15 @@ def tta_logits(model, images: torch.Tensor, flip: bool = False) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(
-    model, loader, mask: torch.Tensor | None, device, autocast_dtype=None, tta_flip: bool = False, gather=None
-):
-    """float64 [loss_sum, correct, count] of the real samples (`mask`, or `gather`, drops padding)."""
+def evaluate(model, loader, mask: torch.Tensor | None, device, autocast=None, tta_flip: bool = False, gather=None):
+    """float64 [loss_sum, correct, count] of the real samples (`mask`, or `gather`, drops padding); `autocast`:
+    torch.autocast's arguments (Run.autocast: an EMA copy is not autocast by a wrapper), None: float32."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     offset = 0
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        with torch.autocast(**(autocast or dict(device_type=device.type, enabled=False))):
             logits = tta_logits(model, images, tta_flip)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(1) == labels).double()
@@ -50,6 +49,5 @@ def exact_ratios(averaged: torch.Tensor, world_size: int, expected: int | None =
 def evaluate_run(run, gather=None) -> torch.Tensor:
     from .bars import validation_bar
 
-    dtype = torch.bfloat16 if run.recipe.precision == "bf16" else None  # an EMA copy is not autocast by a wrapper
     loader = validation_bar(run.show, run.data.val_loader)
-    return evaluate(run.eval_model, loader, run.data.val_mask, run.device, dtype, run.recipe.tta_flip, gather)
+    return evaluate(run.eval_model, loader, run.data.val_mask, run.device, run.autocast, run.recipe.tta_flip, gather)

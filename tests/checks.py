@@ -40,7 +40,7 @@ def check_metrics_of_saved_weights(log_path, weights_path, cifar_dir):
         loader,
         torch.ones(VAL_IMAGES, dtype=torch.bool),
         torch.device("cpu"),
-        torch.bfloat16,
+        dict(device_type="cpu", dtype=torch.bfloat16),
         tta_flip=True,
     )
     assert epochs[-1]["val_accuracy"] == pytest.approx(totals[1].item() / VAL_IMAGES, abs=1e-12)
