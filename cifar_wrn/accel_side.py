@@ -81,6 +81,10 @@ class AccelCheckpointer(Checkpointer):
             stop_unless_written(all_gather(step and attempt(*step)), self.directory, leftover)
         return latest_checkpoint(self.directory)
 
+    def refuse_overwrite(self):
+        latest_named(self.directory)  # a LATEST that names something else: refused as such
+        super().refuse_overwrite()
+
     def read(self, required: bool) -> tuple:
         folder = None
         try:

@@ -139,7 +139,6 @@ class Checkpointer:
         """A run without a resume flag never writes over a checkpoint (as the Hugging Face Trainer guards its
         folder)."""
         self.refuse_others()
-        self.read(required=False)  # a LATEST that names something else: refused as such
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
         if found := sorted(n for n in names if FOLDERS[self.TRAINER].fullmatch(n)):
             raise CheckpointError(
