@@ -68,7 +68,7 @@ from cifar_wrn.evaluation import evaluate_run, exact_ratios
 from cifar_wrn.loaders import SkipFirst, loader_options
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
-from cifar_wrn.rendezvous import Launcher, forming_group
+from cifar_wrn.rendezvous import Launcher, forming_group, store_to_join
 from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Process, Run
 from cifar_wrn.runlog import epoch_line
@@ -109,8 +109,9 @@ def setup(local_rank: int, settings: Settings, recipe) -> Process:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = settings.master_addr, str(settings.master_port)  # R1.3
     timeout, device_id = timedelta(seconds=settings.dist_timeout), device if backend == "nccl" else None
     with forming_group(rank, world_size, settings.dist_timeout):  # one clear error if not every process joins
+        store = store_to_join(settings, world_size)  # None: env://; one node, no port given: the parent's store
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
     return Process(rank, local_rank, world_size, device)
 

@@ -152,7 +152,8 @@ class Checkpointer:
             state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict):
             raise CheckpointError(not_ours(path, f"it holds a {type(state).__name__}, not a dict"))
-        if missing := [key for key in (*KEYS, *self.OWN_KEYS) if key not in state]:
+        # A missing architecture is the earlier model's checkpoint, which resume_problem names.
+        if missing := [key for key in (*KEYS, *self.OWN_KEYS) if key not in state and key != "architecture"]:
             raise CheckpointError(
                 f"{path} lacks {', '.join(missing)}: an earlier version wrote it, or another project; start afresh "
                 "in an empty --checkpoint-dir"

@@ -65,6 +65,7 @@ class Settings:
     master_addr: str | None = None
     master_port: int | None = None
     torchrun_local_rank: int | None = None  # not None: torchrun started this process, one rank
+    parent_store: bool = False  # the store at master_port is the Launcher's: the ranks join it
 
     @property
     def first_rank(self) -> int:  # this node's local rank 0

@@ -78,6 +78,15 @@ def own_store_after_a_restart(timeout: float) -> None:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # env://: rank 0 serves the new store
 
 
+def store_to_join(settings, world_size: int) -> dist.TCPStore | None:
+    """The store Launcher holds, joined as a client (init_process_group's store=), where it holds one; else None:
+    init_process_group's env:// forms the group (rank 0 serves the store at MASTER_PORT)."""
+    if not settings.parent_store:
+        return None
+    timeout = timedelta(seconds=settings.dist_timeout)
+    return dist.TCPStore(settings.master_addr, settings.master_port, world_size, is_master=False, timeout=timeout)
+
+
 class Launcher:
     """raw_ddp.py's parent: holds the store as torchrun's agent does, passes stop signals on, exits as the ranks
     did."""
@@ -87,9 +96,7 @@ class Launcher:
         self.settings, self.processes = settings, []
         if settings.master_port is None:  # one node: a port the system picks, held from now on (no race for it)
             self.store = dist.TCPStore(settings.master_addr, 0, is_master=True, wait_for_workers=False)
-            self.settings = replace(settings, master_port=self.store.port)
-            # as torchrun's agent: the ranks' env:// (raw_ddp.py's R1.3) joins this store as a client
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            self.settings = replace(settings, master_port=self.store.port, parent_store=True)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.pass_on)
         # held until wait() knows the ranks, which inherit the mask: held there too, until their handlers are in

@@ -103,7 +103,7 @@ def dangling_latest(ck):
 
 FOLDERS = {  # case -> (trainer, how the folder is made, what the one error line must say)
     "raw in accel's folder": ("raw", accel_folder, "{ck} holds accel_train.py's checkpoint (LATEST, state-2)"),
-    "accel in raw's folder": ("accel", raw_folder, "{ck} holds raw_ddp.py's checkpoint ({ck}/checkpoint.pt)"),
+    "accel in raw's folder": ("accel", raw_folder, "{ck} holds raw_ddp.py's checkpoint (checkpoint.pt)"),
     "LATEST names a missing folder": ("accel", dangling_latest, "{ck}/LATEST names state-2, which is missing"),
 }
 

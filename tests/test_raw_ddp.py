@@ -1,9 +1,12 @@
 """raw_ddp.py as users run it: real processes, gloo on CPU, tiny models, hard timeouts."""
 
 import json
+import os
 import re
+import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,11 +32,14 @@ from helpers import (
 
 import raw_ddp
 from cifar_wrn.cifar_files import load_split
+from cifar_wrn.cli import Settings
 from cifar_wrn.datasets import CIFAR10
 from cifar_wrn.errors import UserError
 from cifar_wrn.evaluation import evaluate, exact_ratios
 from cifar_wrn.model import WideResNet
 from cifar_wrn.raw_side import check_launch, resolve_raw_launch
+from cifar_wrn.rendezvous import Launcher, store_to_join
+from cifar_wrn.resilience import STOP_SIGNALS
 from cifar_wrn.runlog import read_log
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -177,6 +183,39 @@ def test_port_in_use_is_refused():
         s.listen()
         with pytest.raises(UserError, match="already in use"):
             resolve("--device", "cpu", "--master-port", s.getsockname()[1])
+
+
+def test_the_one_node_launch_holds_its_port_and_is_joined_through_public_apis(monkeypatch):
+    """No port given on one node: the parent holds a store on a port the system picks (no other run can take it);
+    the ranks join it through init_process_group's documented store=, no torchelastic variable set. With a port
+    given, none is held: env://."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    settings = Settings(device="cpu", dist_timeout=5, master_addr="127.0.0.1")
+    try:
+        launcher = Launcher(settings)
+    finally:  # Launcher takes the stop signals for its ranks: this test's process gets them back
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    held = launcher.settings
+    assert held.parent_store and held.master_port == launcher.store.port
+    assert not [name for name in os.environ if name.startswith("TORCHELASTIC")]
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", held.master_port))
+    store_to_join(held, world_size=2).set("joined", "yes")
+    assert launcher.store.get("joined") == b"yes"
+    assert store_to_join(replace(settings, master_port=held.master_port), world_size=2) is None
+
+
+def test_no_torchelastic_variable_is_set_outside_the_restart_workaround():
+    """Only own_store_after_a_restart (torchrun's agent after a restart) touches the agent's variables."""
+    for path in [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]:
+        source = path.read_text()
+        if path.name == "rendezvous.py":
+            workaround = re.search(r"def own_store_after_a_restart.*?\n(?=\S)", source, re.S).group()
+            source = source.replace(workaround, "")
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in source, path
 
 
 # ----------------------------------------------------------------------------- DDP semantics

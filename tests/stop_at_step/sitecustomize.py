@@ -30,9 +30,9 @@ if os.environ.get("LOADER_WORKERS"):
 
     options = loaders.loader_options
 
-    def with_workers(dataset, run):
-        chosen = options(dataset, run)
-        if run.recipe.data_pipeline == "dataloader":
+    def with_workers(dataset, recipe, process):
+        chosen = options(dataset, recipe, process)
+        if recipe.data_pipeline == "dataloader":
             chosen.update(num_workers=int(os.environ["LOADER_WORKERS"]), persistent_workers=True)
         return chosen
 
@@ -45,10 +45,10 @@ if os.environ.get("SLOW_START"):  # a folder: each rank writes rank-<r> there as
 
     load = datasets.load_datasets
 
-    def slow_load(source, run):
-        Path(os.environ["SLOW_START"], f"rank-{run.rank}").touch()
+    def slow_load(source, recipe, process):
+        Path(os.environ["SLOW_START"], f"rank-{process.rank}").touch()
         time.sleep(3)
-        return load(source, run)
+        return load(source, recipe, process)
 
     datasets.load_datasets = slow_load
 
