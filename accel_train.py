@@ -58,7 +58,7 @@ from accelerate.utils import DDPCommunicationHookType, TorchDynamoPlugin, reduce
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn import accel_side
-from cifar_wrn.agreement import buffers_from_rank_0, together, training_counts
+from cifar_wrn.agreement import all_or_none, buffers_from_rank_0, training_counts
 from cifar_wrn.bn_recalibration import recalibrate_bn
 from cifar_wrn.cifar_files import download_cifar10
 from cifar_wrn.cli import Settings, add_training_flags, launch_commands, show_progress
@@ -96,7 +96,7 @@ def setup(local_rank: int, settings: Settings, recipe) -> Process:
         use_seedable_sampler=True, data_seed=recipe.seed, non_blocking=True
     )  # A1.5 shuffle
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=settings.dist_timeout))  # A1.3
-    with forming_group(None, None, settings.dist_timeout):  # a group that does not form is one clear error
+    with forming_group(settings):  # a group that does not form is one clear error
         accelerator = Accelerator(  # A1.3
             cpu=settings.device == "cpu",
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
@@ -124,7 +124,7 @@ def build_data(settings: Settings, recipe, process: Process) -> Data:
     with process.accelerator.local_main_process_first():  # A1.4
         fetched = download_cifar10(settings.data.data_dir) if process.local_rank == 0 else None  # A1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(process.local_rank, load_datasets, settings.data, recipe, process, note=fetched)
+    train_set, val_set = all_or_none(process.local_rank, load_datasets, settings.data, recipe, process, note=fetched)
     world_size, rank = process.world_size, process.rank
     options = loader_options(train_set, recipe, process)  # workers, pinned memory, their own random stream
     if recipe.data_pipeline == "device":  # A1.5 not here: raw_ddp.py's sampler (prepare() would shard again)

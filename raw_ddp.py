@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from cifar_wrn import raw_side
-from cifar_wrn.agreement import buffers_from_rank_0, together, training_counts
+from cifar_wrn.agreement import all_or_none, buffers_from_rank_0, training_counts
 from cifar_wrn.bn_recalibration import recalibrate_bn
 from cifar_wrn.cifar_files import download_cifar10
 from cifar_wrn.cli import Settings, add_training_flags, launch_commands, show_progress
@@ -68,7 +68,7 @@ from cifar_wrn.evaluation import evaluate_run, exact_ratios
 from cifar_wrn.loaders import SkipFirst, loader_options
 from cifar_wrn.model import WideResNet
 from cifar_wrn.optim import build_training
-from cifar_wrn.rendezvous import Launcher, forming_group, store_to_join
+from cifar_wrn.rendezvous import Launcher, forming_group
 from cifar_wrn.resilience import report_failures
 from cifar_wrn.run import Data, Process, Run
 from cifar_wrn.runlog import epoch_line
@@ -108,8 +108,8 @@ def setup(local_rank: int, settings: Settings, recipe) -> Process:
     # R1.3 init_process_group: every rank meets at node 0's address and port, read from the environment (env://)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = settings.master_addr, str(settings.master_port)  # R1.3
     timeout, device_id = timedelta(seconds=settings.dist_timeout), device if backend == "nccl" else None
-    with forming_group(rank, world_size, settings.dist_timeout):  # one clear error if not every process joins
-        store = store_to_join(settings, world_size)  # None: env://; one node, no port given: the parent's store
+    # one clear error if not every process joins; store None: env://, one node without a port: the parent's store
+    with forming_group(settings, rank, world_size) as store:
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )  # R1.3
@@ -122,7 +122,7 @@ def build_data(settings: Settings, recipe, process: Process) -> Data:
     fetched = download_cifar10(settings.data.data_dir) if process.local_rank == 0 else None  # R1.4
     dist.barrier()  # R1.4
     # beyond R1: all ranks share their load problems (all_gather_object), so all stop together
-    train_set, val_set = together(process.local_rank, load_datasets, settings.data, recipe, process, note=fetched)
+    train_set, val_set = all_or_none(process.local_rank, load_datasets, settings.data, recipe, process, note=fetched)
     # R1.5 DistributedSampler: each rank a disjoint 1/world_size of the images, padded to equal length
     world_size, rank = process.world_size, process.rank
     options = loader_options(train_set, recipe, process)  # workers, pinned memory, their own random stream

@@ -23,14 +23,14 @@ from .checkpoints import (
     NO_CHECKPOINT,
     Checkpointer,
     CheckpointError,
-    attempt,
     check_digest,
     device_problem,
     file_digest,
     loading,
     not_ours,
-    sealed,
+    problem_of,
     stop_unless_written,
+    with_digest,
 )
 from .cli import (
     NO_CUDA,
@@ -78,7 +78,7 @@ class AccelCheckpointer(Checkpointer):
         )
         for i, step in enumerate(steps):  # a failed first step leaves nothing to remove
             leftover = i and main and incomplete or None
-            stop_unless_written(all_gather(step and attempt(*step)), self.directory, leftover)
+            stop_unless_written(all_gather(step and problem_of(*step)), self.directory, leftover)
         return latest_checkpoint(self.directory)
 
     def refuse_overwrite(self):
@@ -133,7 +133,7 @@ class AccelCheckpointer(Checkpointer):
 def write_training_state(folder, state: dict):
     """After every rank's save_state: training_state.pt, with the checksum of each file they wrote, and its own."""
     files = {p.name: file_digest(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
-    torch.save(sealed({**state, "files": files}), Path(folder) / TRAINING_STATE)
+    torch.save(with_digest({**state, "files": files}), Path(folder) / TRAINING_STATE)
 
 
 def check_files(folder, state: dict, process_index: int):

@@ -21,7 +21,7 @@ def all_gather(obj) -> list:
     return out
 
 
-def together(local_rank: int, action, *args, note: str | None = None):
+def all_or_none(local_rank: int, action, *args, note: str | None = None):
     """action(*args); a UserError on any rank is the same AgreedError on all, said once a node."""
     result, problem = None, None
     try:

@@ -19,7 +19,7 @@ from .errors import AgreedError, RunStopped, UserError, agreed_problem
 from .model import ARCHITECTURE
 from .recipe import as_dict
 from .resilience import preempted
-from .safe_files import remove, replace_atomically, why
+from .safe_files import os_reason, remove, replace_atomically
 from .stopping import Progress, final_line, rule_text
 
 
@@ -71,7 +71,7 @@ class Checkpointer:
         where, saved, problem = self.read(self.resume_mode == "required")
         if saved is not None:
             problem = resume_problem(saved, as_dict(recipe), run.world_size, run.model_width, run.data.sizes())
-            problem = problem or attempt(self.restore, run, where, saved)
+            problem = problem or problem_of(self.restore, run, where, saved)
         problem = resume_disagreement(all_gather((what_was_seen(saved), problem)))
         if problem:  # the same on every rank: one line, from local rank 0 of each node, said before any rank exits
             # (a launcher ends the other ranks at the first exit: a line said after the teardown could be lost)
@@ -169,12 +169,12 @@ def check_writable(directory):
         raise CheckpointError(f"--checkpoint-dir {directory} is not writable: {exc.strerror or exc}") from None
 
 
-def attempt(action, *args) -> str | None:
+def problem_of(action, *args) -> str | None:
     """action(*args)'s problem in a line, or None."""
     try:
         action(*args)
     except Exception as exc:
-        return str(exc) if isinstance(exc, CheckpointError) else why(exc)
+        return str(exc) if isinstance(exc, CheckpointError) else os_reason(exc)
     return None
 
 
@@ -193,7 +193,7 @@ def save_atomic(state: dict, path):
     try:
         replace_atomically(path, lambda f: torch.save(state, f))
     except Exception as exc:
-        raise CheckpointError(f"could not write {path}: {why(exc)}") from None
+        raise CheckpointError(f"could not write {path}: {os_reason(exc)}") from None
 
 
 def not_ours(path, why: str) -> str:
@@ -212,7 +212,7 @@ def loading(where, failed: str = "was found but cannot be loaded into this run")
             not_ours(where, "refused by weights-only loading: " + text.split(" was not an allowed global")[0])
         ) from None
     except Exception as exc:
-        raise CheckpointError(f"{where} {failed} ({why(exc)})") from None
+        raise CheckpointError(f"{where} {failed} ({os_reason(exc)})") from None
 
 
 def device_problem(saved_on: str, running_on: str):
@@ -253,7 +253,7 @@ def _hash(h, value):
         h.update(f"{type(value).__name__} {len(text)} {text}\n".encode())
 
 
-def sealed(state: dict) -> dict:
+def with_digest(state: dict) -> dict:
     return {**state, "digest": digest_of(state)}
 
 

@@ -18,11 +18,11 @@ def loader_options(dataset, recipe, process) -> dict:
         multiprocessing_context="fork" if num_workers else None,  # not spawn (mp.spawn's ranks): no import, at once
         worker_init_fn=ignore_stop_signal,
         generator=torch.Generator().manual_seed(recipe.seed + process.rank),
-        collate_fn=_as_made if hasattr(dataset, "__getitems__") else None,
+        collate_fn=_batch_as_is if hasattr(dataset, "__getitems__") else None,
     )
 
 
-def _as_made(batch):
+def _batch_as_is(batch):
     return batch
 
 

@@ -15,13 +15,13 @@ from .checkpoints import (
     NO_CHECKPOINT,
     Checkpointer,
     CheckpointError,
-    attempt,
     check_digest,
     device_problem,
     loading,
+    problem_of,
     save_atomic,
-    sealed,
     stop_unless_written,
+    with_digest,
 )
 from .cli import (
     NO_CUDA,
@@ -58,8 +58,8 @@ class RawCheckpointer(Checkpointer):
         pipeline = None if generator is None else generator.get_state()
         every_rng = all_gather({"torch": torch.get_rng_state(), "cuda": cuda, "pipeline": pipeline})
         parts = {key: getattr(run, name).state_dict() for key, name in self.PARTS.items()}
-        state = sealed({**state, **parts, "rng": every_rng}) if run.is_main else None  # checked on resume
-        written = attempt(save_atomic, state, self.path) if run.is_main else None
+        state = with_digest({**state, **parts, "rng": every_rng}) if run.is_main else None  # checked on resume
+        written = problem_of(save_atomic, state, self.path) if run.is_main else None
         stop_unless_written(all_gather(written), self.directory)
         return str(self.path)
 

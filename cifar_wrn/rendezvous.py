@@ -19,13 +19,16 @@ from .resilience import STOP_SIGNALS
 
 
 @contextlib.contextmanager
-def forming_group(rank: int | None, world_size: int | None, timeout: float):
+def forming_group(settings, rank: int | None = None, world_size: int | None = None):
+    """Yields the store the ranks join (store_to_join), None for env://; a group that does not form within
+    settings.dist_timeout is one UserError."""
     import torch._dynamo as _  # noqa: F401  imported now, before the group: imported later it can abort the exit
 
+    timeout = settings.dist_timeout
     try:
         with c10d_lines_held():
             own_store_after_a_restart(timeout)
-            yield
+            yield store_to_join(settings, world_size)
     except dist.DistError as exc:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         who = "" if rank is None else f"rank {rank}: "

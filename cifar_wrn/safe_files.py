@@ -23,7 +23,7 @@ def fsync(path, flags: int = 0):
         os.close(fd)
 
 
-def why(exc: BaseException) -> str:
+def os_reason(exc: BaseException) -> str:
     for cause in (exc, exc.__cause__, exc.__context__):
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror

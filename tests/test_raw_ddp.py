@@ -57,7 +57,7 @@ COLLECTIVE = re.compile(
     r"\bdist\.(all_reduce|reduce|all_gather\w*|gather\w*|broadcast\w*|barrier|init_process_group|"
     r"destroy_process_group|scatter\w*)\(|\bDDP\(|\bmp\.spawn\(|accelerator\.(reduce|gather\w*|prepare|backward)\("
 )
-PLUMBING_COLLECTIVES = ("together(", "resume(", "save_checkpoint(", "training_counts(", "buffers_from_rank_0(")
+PLUMBING_COLLECTIVES = ("all_or_none(", "resume(", "save_checkpoint(", "training_counts(", "buffers_from_rank_0(")
 PLUMBING_COLLECTIVES += ("step_done(", "recalibrate_bn(")  # a stop agreement; BatchNorm statistics averaged
 
 

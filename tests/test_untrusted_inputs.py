@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from cifar_wrn.accel_side import TRAINING_STATE, resolve_accel_launch
-from cifar_wrn.checkpoints import CheckpointError, file_digest, sealed
+from cifar_wrn.checkpoints import CheckpointError, file_digest, with_digest
 from cifar_wrn.cifar_files import DataError, load_split
 from cifar_wrn.raw_side import resolve_raw_launch
 
@@ -259,7 +259,7 @@ def test_accel_resume_refuses_crafted_files(accel_checkpoint, tmp_path, crafted)
     if crafted != TRAINING_STATE:
         state = torch.load(folder / TRAINING_STATE, weights_only=True)
         files = {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.name != TRAINING_STATE}
-        torch.save(sealed({**state, "files": files}), folder / TRAINING_STATE)
+        torch.save(with_digest({**state, "files": files}), folder / TRAINING_STATE)
     before = path.read_bytes()
     result = accel_train(*flags, "--checkpoint-dir", tmp_path / "ck", "--auto-resume")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -378,7 +378,7 @@ def test_raw_checkpoint_without_rank_1s_random_state_stops_every_rank(cifar_dir,
     ck = resume_runs.copy("raw/ck", tmp_path)
     state = torch.load(ck / "checkpoint.pt")
     # data only, its checksum made to match, but rank 1's part is gone
-    torch.save(sealed({**state, "rng": state["rng"][:1]}), ck / "checkpoint.pt")
+    torch.save(with_digest({**state, "rng": state["rng"][:1]}), ck / "checkpoint.pt")
     result = raw_ddp("--num-gpus", 2, *resume_flags(cifar_dir, "--epochs", 2, "--checkpoint-dir", ck, "--resume"))
     assert result.returncode == 2, result.stderr[-3000:]
     expected = "error: cannot resume from {}: rank 1: its part of the checkpoint was found but cannot be loaded into "
