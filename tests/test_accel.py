@@ -220,18 +220,15 @@ def code_characters(path: Path) -> int:
 
 def test_the_training_code_stays_small():
     """The entry points and cifar_wrn/ (the report aside) in non-space characters of code: a comment or a
-    docstring that explains costs nothing, a line that computes costs its characters. At most 96,107: 92,609 at
-    8471dfc (86,576 before issue #59's checksums, exact resumes, refusals, start-up stops and elastic restarts),
-    then issue #61's values and seam (+3,498: cli.Settings and its three parts, trainers.py's two classes and
-    tracker adapters, the import lines of seven more modules; +282: its review's mends, a frozen Settings that
-    Launcher copies, Accelerate's epoch loader in trainers.py, a checkpoint_dir name, keyword Run arguments); then
-    105,623 (+9,338 from 96,285): the run guards (+3,924: cli.py's output-path checks, folder lock and checkpoint
-    refusal, rendezvous.py's signals during the spawn, resilience.py's Ctrl-C), the speed levers (+4,620: optim.py's
-    Muon, frozen scales and compiled step, recipe.py's keys and ddp_options, ema_every, prefetched indices, the
-    recompile check), the sync-free BatchNorm re-estimation and cudnn flag (+440), the full-data CPU refusal (+316).
-    A change that needs more raises it in a commit of its own that says why."""
+    docstring that explains costs nothing, a line that computes costs its characters. 86,576 before the checksums,
+    exact resumes, refusals, start-up stops and elastic restarts; 96,285 with them and the settings seam; 105,623
+    with the run guards (output-path checks, folder lock, checkpoint refusals, signals during the spawn, Ctrl-C),
+    the speed levers (Muon, frozen scales, compiled step, DDP options, EMA interval, prefetched indices) and the
+    sync-free BatchNorm re-estimation. Now 107,699: the two console commands and the versions in the log header
+    (+1,345), each trainer's side in one module with one Checkpointer, old formats refused by name and the launch's
+    public store (+731). The 86,600 a maintainer asked for is not met (docs/record/size.md says where it goes). A change that needs more raises it in a commit of its own that says why."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(code_characters(path) for path in files) <= 105_623
+    assert sum(code_characters(path) for path in files) <= 107_699
 
 
 def test_the_size_counts_code_not_what_explains_it(tmp_path):
