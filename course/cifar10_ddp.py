@@ -20,6 +20,7 @@ import os  # R1.3 MASTER_ADDR, MASTER_PORT
 import time
 
 import torch
+import torch._dynamo  # noqa: F401  # beyond R1: now, not at the first step: imported after the group, it can abort the exit
 import torch.distributed as dist  # R1.3 the process group; R1.4, R1.9 its collectives
 import torch.multiprocessing as mp  # R1.11
 from torch import nn
