@@ -160,3 +160,25 @@ def checkpoint_keys(trainer: str) -> tuple:
     from cifar_wrn.raw_side import RawCheckpointer
 
     return (*KEYS, *(RawCheckpointer if trainer == "raw" else AccelCheckpointer).OWN_KEYS)
+
+
+def check_images_per_sec_is_the_sum(log_path, rank_times, stdout: str):
+    """Run with helpers.slow_rank_env(rank_times, ...): each logged Images/sec (and the printed one) is the sum of
+    the two ranks' own rates (this rank's images over its own epoch time), not rank 0's rate x 2: rank 1's
+    epochs were made clearly longer, so the two differ."""
+    import re
+
+    from cifar_wrn.runlog import read_log
+
+    header, epochs = read_log(log_path)
+    per_rank = header["steps_per_epoch"] * header["per_device_batch_size"]  # each rank's images per epoch
+    printed = [float(r) for r in re.findall(r"Images/sec = ([\d.]+)", stdout)]
+    assert len(printed) == len(epochs) >= 1
+    for e, shown in zip(epochs, printed, strict=True):
+        seconds = [float((rank_times / f"rank-{r}-epoch-{e['epoch']}").read_text()) for r in (0, 1)]
+        assert e["epoch_time"] == seconds[0]  # the log's epoch time is rank 0's clock
+        assert seconds[1] > 1.5 * seconds[0], seconds  # rank 1 was slowed: the rates differ
+        own_rates = [per_rank / s for s in seconds]
+        assert e["images_per_sec"] == pytest.approx(sum(own_rates), rel=1e-9)
+        assert e["images_per_sec"] < 0.9 * 2 * own_rates[0]  # not rank 0's rate x world size
+        assert shown == pytest.approx(e["images_per_sec"], abs=0.051)  # printed to 1 decimal

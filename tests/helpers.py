@@ -83,6 +83,14 @@ def raise_in_rank_env(rank: int, env: dict) -> dict:
     return {**env, "PYTHONPATH": pythonpath_with(TESTS / "raise_in_rank", REPO, env=env), "RAISE_IN_RANK": str(rank)}
 
 
+def slow_rank_env(folder: Path, env: dict) -> dict:
+    """`env` with tests/slow_rank/ first on PYTHONPATH (then the checkout, whose cifar_wrn it patches): rank 1's
+    epochs take twice as long, and every rank writes the epoch time its clock measured to `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = pythonpath_with(TESTS / "slow_rank", REPO, env=env)
+    return {**env, "PYTHONPATH": path, "SLOW_RANK_DIR": str(folder)}
+
+
 def exit_threads_env(folder: Path, env: dict) -> dict:
     """`env` with tests/exit_threads/ first on PYTHONPATH: every process writes to `folder` the threads it still
     runs at exit (check_no_gloo_thread_at_exit reads them)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from checks import read_training_state
+from checks import check_images_per_sec_is_the_sum, read_training_state
 from helpers import (
     ACCEL_TINY,
     EPOCH_LINE,
@@ -36,6 +36,7 @@ from helpers import (
     finish,
     free_port,
     raise_in_rank_env,
+    slow_rank_env,
     start,
     torchrun_command,
     wait_for_epoch,
@@ -202,9 +203,10 @@ def cifar_wrn_names(path: Path) -> set[str]:
     return names
 
 
-def test_raw_ddp_takes_at_most_30_names_from_the_package_and_every_module_has_one_job():
+def test_raw_ddp_takes_at_most_30_names_from_the_package_and_no_module_is_long():
     """A student follows raw_ddp.py with few other names to look up; no package module past 400 lines (the report
-    aside), and none reads a class an entry point defines (the training objects are cifar_wrn.run.Run)."""
+    aside), and none reads a class an entry point defines (the training objects are cifar_wrn.run.Run). That each
+    module has one job: tests/test_package_shape.py's one-job table and docstring check."""
     names = cifar_wrn_names(REPO / "raw_ddp.py")
     assert "Run" in names and len(names) <= 30, sorted(names)
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "cifar_wrn").glob("*.py")}
@@ -557,6 +559,16 @@ def test_a_failing_rank_stops_the_run(cifar_dir, tmp_path):
     assert result.returncode != 0 and "error: rank 1 failed" in result.stderr
     assert "injected test fault in rank 1" in result.stderr
     assert not EPOCH_LINE.search(result.stdout)
+
+
+@pytest.mark.slow
+def test_images_per_sec_is_summed_over_ranks(cifar_dir, tmp_path):
+    """accelerator.reduce(sum) of each rank's own rate: with rank 1's epochs made twice as long
+    (tests/slow_rank/), the logged and printed Images/sec is rank 0's rate plus rank 1's, not rank 0's x 2."""
+    flags = ["--cpu", *data_flags(cifar_dir, train=128), *ACCEL_TINY, "--epochs", 2, "--log-json", tmp_path / "l.jsonl"]
+    result = accelerate_launch(CONFIGS / "two_cpus.yaml", *flags, env=slow_rank_env(tmp_path / "times", accel_env()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_images_per_sec_is_the_sum(tmp_path / "l.jsonl", tmp_path / "times", result.stdout)
 
 
 # ----------------------------------------------------------------------------- checkpoints, preemption

@@ -468,4 +468,4 @@ def test_profile_after_a_resume_at_the_last_step_of_an_epoch(cifar_dir, tmp_path
     assert f"epoch {epoch + 1}, step 1 of 1" in resumed.stdout and resumed.stdout.count("Epoch = ") == 2
     _, epochs = read_log(tmp_path / "l.jsonl")
     assert epochs[0]["comm_estimate"] == 0.0 and set(epochs[0]["profile"]) == set(PHASES)
-    assert epochs[1]["comm_estimate"] >= 0.0
+    assert 0.0 <= epochs[1]["comm_estimate"] < epochs[1]["epoch_time"]  # measured, and a part of the epoch

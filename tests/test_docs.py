@@ -1,4 +1,4 @@
-"""The docs' promises, kept by a test (issue #60): the word budgets, each document's first line (who it is for and
+"""The docs' promises, each kept by a test: the word budgets, each document's first line (who it is for and
 what it answers), and every markdown link and every backticked repository path resolving.
 
 The documents: README.md and docs/*.md (the ones a student reads, counted together), and docs/record/ (the

@@ -1,4 +1,4 @@
-"""The installed package whole (#61 item 5). `pip install .` (not editable) into a temporary target, from a copy of
+"""The installed package whole, as pip puts it. `pip install .` (not editable) into a temporary target, from a copy of
 the working tree (the build writes build/ and *.egg-info/ into the tree it builds), then, from a fresh folder
 outside the checkout with PYTHONPATH the target: `python -m raw_ddp`, `accelerate launch -m accel_train` with the
 shipped config and `python -m cifar_wrn.report` with the shipped example notes, the report quoting the installed

@@ -1,7 +1,9 @@
 """The package's shape: values in, each trainer's side in one module. Only the launch checks (cli.py and each
 side's resolve function) read the argparse namespace, no module of cifar_wrn/ asks which trainer runs it, and only
 accel_train.py's side imports accelerate: what differs sits in cifar_wrn/raw_side.py and cifar_wrn/accel_side.py,
-chosen by each entry point."""
+chosen by each entry point. One job per module: each job-defining library (Accelerate, argparse's parser,
+torch.save and torch.load, the folder lock's fcntl, the checksums' hashlib, TensorBoard, the PDF's fpdf, ...) is
+used by the one module whose job it is (ONE_JOB), and every module's docstring starts by saying its job."""
 
 import ast
 import re
@@ -105,3 +107,149 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     module.write_text("def f(*args):\n    from accelerate import skip_first_batches\n    return len(args)\n")
     assert accelerate_imports(module) == ["m.py:2 accelerate"]
     assert namespace_reads(module) == trainer_branches(module) == []
+
+
+# ----------------------------------------------------------------------------- one job per module
+
+# A job-defining library or call, and the only modules (of cifar_wrn/ and the entry points) that may use it: the
+# module whose job it is. A name matches its entry and every name under it (torch.utils.tensorboard.SummaryWriter).
+ONE_JOB = {
+    "accelerate": {"accel_side.py", "accel_train.py"},  # Accelerate: accel_train.py's side only
+    "argparse.ArgumentParser": {"cli.py", "cifar_files.py", "report/cli.py", "raw_ddp.py", "accel_train.py"},
+    "torch.save": {"checkpoints.py", "accel_side.py", "raw_ddp.py", "accel_train.py"},  # checkpoints, --save
+    "torch.load": {"checkpoints.py"},  # a checkpoint read with weights_only (accel_side: accelerate.utils.load)
+    "pickle.Unpickler": {"cifar_files.py"},  # CIFAR-10's batch files, read as data only
+    "fcntl": {"cli.py"},  # the output folder's lock
+    "hashlib": {"checkpoints.py"},  # the checkpoint files' checksums
+    "torch.utils.tensorboard": {"raw_side.py"},  # raw_ddp.py's TensorBoard (Accelerate's tracker writes its own)
+    "torch.profiler": {"profiling.py"},  # --trace
+    "torch.multiprocessing": {"rendezvous.py", "raw_ddp.py"},  # mp.spawn and its launcher
+    "tqdm": {"bars.py"},
+    "yaml": {"recipe.py", "report/notes.py"},  # recipes; the student's notes
+    "fpdf": {"report/pdf.py"},  # the PDF report
+    "matplotlib": {"report/figures.py", "report/topology.py"},
+}
+
+
+def dotted(node: ast.AST, aliases: dict) -> str | None:
+    """`a.b.c` as the full name it stands for, through the module's imports (`import torch.utils as tu`); None
+    where it does not start at an imported name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in aliases:
+        return None
+    return ".".join([aliases[node.id], *reversed(parts)])
+
+
+def used_names(path: Path) -> set[str]:
+    """The full names `path` imports or uses (`torch.save(...)` after `import torch`, `SummaryWriter` from
+    `torch.utils.tensorboard`), wherever in the file (an import inside a function counts)."""
+    tree = ast.parse(path.read_text())
+    aliases, names = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                names.add(a.name)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                names.add(f"{node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Name)) and (name := dotted(node, aliases)):
+            names.add(name)
+    return names
+
+
+def job_violations(files: dict[str, Path], rules: dict = ONE_JOB) -> list[str]:
+    """`module: name`, for each use of a rule's name outside the modules the rule allows. `files`: by the name the
+    rules use (cli.py, report/pdf.py)."""
+    found = []
+    for module, path in sorted(files.items()):
+        for name in sorted(used_names(path)):
+            for rule, allowed in rules.items():
+                if (name == rule or name.startswith(rule + ".")) and module not in allowed:
+                    found.append(f"{module}: {name}")
+    return found
+
+
+def first_sentence(path: Path) -> str | None:
+    """The first sentence of the module's docstring, None without one as its first statement."""
+    body = ast.parse(path.read_text()).body
+    if not body or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Constant):
+        return None
+    text = body[0].value.value if isinstance(body[0].value.value, str) else ""
+    return re.split(r"\.(?:\s|$)", " ".join(text.split()), maxsplit=1)[0]
+
+
+# Words that say a module has no one job of its own (a drawer): its first sentence must say what it does.
+NO_JOB = re.compile(r"\b(misc\w*|util\w*|helpers?|various|stuff|TODO)\b", re.I)
+
+
+def docstring_problems(files: dict[str, Path]) -> list[str]:
+    """Each module without a leading docstring whose first sentence (4 words at least) says its job."""
+    problems = []
+    for module, path in sorted(files.items()):
+        sentence = first_sentence(path)
+        if sentence is None:
+            problems.append(f"{module}: no docstring first")
+        elif len(sentence.split()) < 4 or NO_JOB.search(sentence):
+            problems.append(f"{module}: {sentence!r} does not say its job")
+    return problems
+
+
+def package_files() -> dict[str, Path]:
+    """cifar_wrn/ (with report/) and the two entry points, by their names relative to cifar_wrn/ or the checkout."""
+    files = {str(p.relative_to(PACKAGE)): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {**files, "raw_ddp.py": REPO / "raw_ddp.py", "accel_train.py": REPO / "accel_train.py"}
+
+
+def test_each_job_defining_library_is_used_by_its_module_only():
+    assert job_violations(package_files()) == []
+
+
+def test_every_rule_names_a_module_that_uses_it():
+    """The table is not stale: every module a rule allows uses that library (and exists)."""
+    files = package_files()
+    unused = [
+        f"{rule}: {module}"
+        for rule, allowed in ONE_JOB.items()
+        for module in sorted(allowed)
+        if module not in files or not any(n == rule or n.startswith(rule + ".") for n in used_names(files[module]))
+    ]
+    assert unused == []
+
+
+def test_every_module_starts_by_saying_its_job():
+    assert docstring_problems(package_files()) == []
+
+
+def test_the_one_job_checks_find_a_planted_violation(tmp_path):
+    planted = tmp_path / "model.py"
+    planted.write_text(
+        '"""The model."""\n\nimport torch\nimport torch.utils.tensorboard as tb\nfrom hashlib import sha256\n\n\n'
+        "def f(x):\n    from accelerate.utils import reduce as r\n\n"
+        "    torch.save(x, 'x.pt')\n    return tb.SummaryWriter, sha256, r\n"
+    )
+    assert job_violations({"model.py": planted}) == [
+        "model.py: accelerate.utils",
+        "model.py: accelerate.utils.reduce",
+        "model.py: hashlib",
+        "model.py: hashlib.sha256",
+        "model.py: torch.save",
+        "model.py: torch.utils.tensorboard",
+        "model.py: torch.utils.tensorboard.SummaryWriter",
+    ]
+    assert job_violations({"checkpoints.py": planted}, {"torch.save": {"checkpoints.py"}}) == []
+    assert docstring_problems({"model.py": planted}) == ["model.py: 'The model' does not say its job"]
+    planted.write_text('import torch\n"""Reads and writes the checkpoints of both trainers."""\n')
+    assert docstring_problems({"model.py": planted}) == ["model.py: no docstring first"]
+    planted.write_text('"""Various helpers for the trainers. And more."""\n')
+    assert docstring_problems({"model.py": planted}) == [
+        "model.py: 'Various helpers for the trainers' does not say its job"
+    ]
+    planted.write_text('"""Reads and writes the checkpoints of both trainers. And more."""\n')
+    assert docstring_problems({"model.py": planted}) == []

@@ -29,9 +29,11 @@ from helpers import EPOCH_LINE, REPO, TINY, VAL_IMAGES, cpu_env, data_flags, kil
 from test_accel import CONFIGS, accel_env, accelerate_command, reliability_flags
 from torch.utils.data import BatchSampler, DataLoader
 
+import accel_train
+import raw_ddp
 from cifar_wrn import bars
 from cifar_wrn.cifar_files import load_split
-from cifar_wrn.cli import add_training_flags, show_progress
+from cifar_wrn.cli import add_training_flags, settings_from, show_progress
 from cifar_wrn.datasets import CIFAR10, DeviceBatches
 from cifar_wrn.evaluation import evaluate
 from cifar_wrn.model import WideResNet
@@ -185,12 +187,12 @@ class FakeStderr(io.StringIO):
         (["--progress", "off"], True, True, False),  # refused
     ],
 )
-def test_show_progress(flags, terminal, is_main, shown, monkeypatch):
-    parser = argparse.ArgumentParser()
-    add_training_flags(parser, parser)  # the launch group: the parser itself here
-    args = parser.parse_args(flags)
+@pytest.mark.parametrize("trainer", [raw_ddp, accel_train])
+def test_show_progress(trainer, flags, terminal, is_main, shown, monkeypatch):
+    """The trainer's own command line, through cli.settings_from (the Settings the trainers pass), decides."""
+    settings = settings_from(trainer.parse_args(flags))
     monkeypatch.setattr(sys, "stderr", FakeStderr(terminal))
-    assert show_progress(args, is_main) is shown
+    assert show_progress(settings, is_main) is shown
 
 
 def test_progress_flag_refuses_other_values(capsys):

@@ -1,4 +1,4 @@
-"""Refusals (issue #59, items 6 and 7): values no one can mean are refused before any process starts, and every
+"""Refusals: values no one can mean are refused before any process starts, and every
 refusal is one `error:` line from one process, exit status 2. Under `accelerate launch` or torchrun the
 launcher's own report of the failed process follows that line, and the launcher exits 1.
 

@@ -1,4 +1,4 @@
-"""The report of a student's own run (issue 66): rank 0's printed epoch lines read as a run (a Slurm job's
+"""The report of a student's own run: rank 0's printed epoch lines read as a run (a Slurm job's
 train.log, or any file of them), with what they cannot say from the job folder or from flags; and --source, the
 R1 steps found in the student's file by their tag or else by their call, the missing ones a checklist. Bad text
 ends in one line naming the file and line, exit status 2."""
@@ -357,7 +357,6 @@ def test_the_report_of_the_course_scripts_own_jobs_finds_all_eleven_steps(course
     """The course job's report command, as README gives it, on the printed logs of real runs."""
     pytest.importorskip("fpdf")
     out = course_jobs / "report"
-    out.mkdir()  # the report's own folder: made by the report itself once issue 66's output-folder point lands
     runs = [course_jobs / "runs" / job_id / "train.log" for job_id in ("501", "502")]
     command = [sys.executable, "-m", "cifar_wrn.report", *runs, "--source", "course/cifar10_ddp.py"]
     result = finish(start([*command, "--out", f"{out}/", "--pdf", out / "report.pdf"], env=cpu_env()), 300)

@@ -1,4 +1,4 @@
-"""What a run finds is never destroyed, and what it will write is checked before any process trains (issue #68):
+"""What a run finds is never destroyed, and what it will write is checked before any process trains:
 a fresh run refuses a folder holding a checkpoint (either trainer's) and an existing log; one run a checkpoint
 folder (a lock the OS drops with its holder); each output path is what it is meant to be; no epoch of 0 steps;
 --num-gpus within the cores; a stop while mp.spawn starts the ranks; Ctrl-C as a stop; YAML errors and a group

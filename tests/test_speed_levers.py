@@ -1,4 +1,4 @@
-"""The speed levers of issue 67 (compile_mode, compile_optimizer, ddp_broadcast_buffers, ddp_bucket_cap_mb,
+"""The speed levers (compile_mode, compile_optimizer, ddp_broadcast_buffers, ddp_bucket_cap_mb,
 ema_every, prefetch_indices) and the epoch-3 levers back as keys (muon, bn_bias_lr_scale, freeze_bn_scale): each
 off in the shipped recipes, each computing what it should on the CPU."""
 
