@@ -51,6 +51,7 @@ from .safe_files import fresh_folder, fsync, remove, replace_atomically
 
 # Not registered for checkpointing: load_state unpickles those files with weights_only=False.
 TRAINING_STATE = "training_state.pt"
+OLD_STATE = "custom_checkpoint_0.pkl"  # register_for_checkpointing's, before TRAINING_STATE
 LATEST = "LATEST"
 STATE_FOLDER = re.compile(r"state-(\d+)")
 RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")
@@ -100,6 +101,11 @@ class AccelCheckpointer(Checkpointer):
                 raise CheckpointError(
                     f"--resume: no checkpoint in {self.directory} (no {LATEST} naming a state-<n> folder; "
                     f"{NO_CHECKPOINT}"
+                )
+            if folder and not os.path.isfile(Path(folder, TRAINING_STATE)) and os.path.isfile(Path(folder, OLD_STATE)):
+                raise CheckpointError(  # never read: Accelerate would unpickle it in full
+                    f"{folder} was written by an earlier accel_train.py ({OLD_STATE}): start afresh in an empty "
+                    "--checkpoint-dir"
                 )
             return folder or self.directory, folder and self.load(Path(folder, TRAINING_STATE)), None
         except CheckpointError as exc:
