@@ -226,12 +226,12 @@ def test_the_training_code_stays_small():
     exact resumes, refusals, start-up stops and elastic restarts; 96,285 with them and the settings seam; 105,623
     with the run guards (output-path checks, folder lock, checkpoint refusals, signals during the spawn, Ctrl-C),
     the speed levers (Muon, frozen scales, compiled step, DDP options, EMA interval, prefetched indices) and the
-    sync-free BatchNorm re-estimation. Now 107,699: the two console commands and the versions in the log header
+    sync-free BatchNorm re-estimation. Now 107,953: the two console commands and the versions in the log header
     (+1,345), each trainer's side in one module with one Checkpointer, old formats refused by name and the launch's
-    public store (+731). The 86,600 a maintainer asked for is not met (docs/record/development.md says where the
+    public store (+985). The 86,600 a maintainer asked for is not met (docs/record/development.md says where the
     size goes). A change that needs more raises it in a commit of its own that says why."""
     files = [REPO / "raw_ddp.py", REPO / "accel_train.py", *(REPO / "cifar_wrn").glob("*.py")]
-    assert sum(code_characters(path) for path in files) <= 107_699
+    assert sum(code_characters(path) for path in files) <= 107_953
 
 
 def test_the_size_counts_code_not_what_explains_it(tmp_path):
